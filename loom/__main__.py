@@ -1,0 +1,76 @@
+"""Command line: python -m loom [flags] -> Server."""
+
+import argparse
+import sys
+
+from .server import Config, Server, configure_logging
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def parser():
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="python -m loom",
+        description="Loom inference server: serves model deployments over HTTP on TCP and Unix sockets.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--listen", action="append", metavar="ADDR",
+                   help="listener, repeatable: tcp:HOST:PORT or unix:PATH (a stale socket file is replaced; "
+                        "the file is removed on exit). Default: tcp:127.0.0.1:8080")
+    p.add_argument("--request_body_bytes", type=_positive_int, default=d.request_body_bytes,
+                   help="bound on a request's decoded body (Content-Length or chunked); larger bodies get 413")
+    p.add_argument("--header_bytes", type=_positive_int, default=d.header_bytes,
+                   help="bound on a request line plus headers; larger heads get 431")
+    p.add_argument("--connections", type=_positive_int, default=d.connections,
+                   help="open client connections; past it a new connection gets 503 and is closed")
+    p.add_argument("--output_buffer_bytes", type=_positive_int, default=d.output_buffer_bytes,
+                   help="per-connection output credit: a streaming producer pauses while this much is unsent")
+    p.add_argument("--header_timeout", type=_positive_float, default=d.header_timeout,
+                   help="seconds to receive a request head once it has started (slowloris bound); then 408")
+    p.add_argument("--idle_timeout", type=_positive_float, default=d.idle_timeout,
+                   help="seconds a keep-alive connection may sit idle, or a transfer make no progress")
+    p.add_argument("--request_timeout", type=_positive_float, default=d.request_timeout,
+                   help="seconds to receive a whole request, head and body; then 408")
+    p.add_argument("--shutdown_timeout", type=_positive_float, default=d.shutdown_timeout,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    p.add_argument("--workers", type=_positive_int, default=d.workers,
+                   help="threads of the shared CPU executor (tokenizing, decoding, rendering)")
+    p.add_argument("--log_capacity", type=_positive_int, default=d.log_capacity,
+                   help="entries kept in the /logz ring")
+    p.add_argument("--log_level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="stderr log level")
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    config = Config(listen=args.listen or ["tcp:127.0.0.1:8080"],
+                    request_body_bytes=args.request_body_bytes, header_bytes=args.header_bytes,
+                    connections=args.connections, output_buffer_bytes=args.output_buffer_bytes,
+                    header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
+                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                    workers=args.workers, log_capacity=args.log_capacity, log_level=args.log_level)
+    server = Server(config)
+    configure_logging(args.log_level, server.logs)
+    try:
+        server.start()
+    except (OSError, ValueError) as e:
+        print(f"loom: cannot listen: {e}", file=sys.stderr)
+        return 2
+    return server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

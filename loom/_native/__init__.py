@@ -1,0 +1,1 @@
+"""Cython hot paths (framing, multipart) with pure-Python references beside them."""

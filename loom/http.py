@@ -1,0 +1,256 @@
+"""Requests, responses, the error envelope and SSE encoding.
+
+Handlers receive a complete, validated Request and return one of:
+- Response: a complete body (JSON, text, bytes);
+- Stream: a body produced over time (chunked transfer; SSE is a Stream whose
+  chunks are events). Producers respect output credit: they send while
+  `stream.ready` and resume when `on_ready` fires, so a slow reader stalls only
+  its own producer. Disconnect calls `on_close(reason)` once;
+- Deferred: a response that will exist later (a background job finishes).
+  `resolve(response)` completes it; disconnect calls `on_cancel()`.
+"""
+
+import json
+import time
+from urllib.parse import parse_qs
+
+
+REASONS = {
+    200: "OK", 201: "Created", 202: "Accepted", 204: "No Content",
+    400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
+    409: "Conflict", 410: "Gone", 411: "Length Required", 413: "Content Too Large",
+    415: "Unsupported Media Type", 417: "Expectation Failed", 422: "Unprocessable Content",
+    429: "Too Many Requests", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
+}
+
+# The error envelope's `type` follows the status family, as OpenAI clients expect.
+ERROR_TYPES = {
+    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    408: "timeout_error", 409: "conflict_error", 410: "gone_error", 411: "invalid_request_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
+    422: "unprocessable_entity_error", 429: "rate_limit_error", 431: "invalid_request_error",
+    500: "server_error", 501: "not_implemented_error", 503: "overloaded_error",
+    505: "invalid_request_error",
+}
+
+JSON_TYPE = "application/json"
+SSE_TYPE = "text/event-stream"
+TEXT_TYPE = "text/plain; charset=utf-8"
+
+
+class HTTPError(Exception):
+    """A rejection: becomes {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status, message, code=None, param=None, headers=()):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = list(headers)
+
+    def response(self):
+        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+        return Response.json(body, self.status, self.headers)
+
+
+class Request:
+    __slots__ = ("id", "method", "target", "path", "query", "version", "headers", "body",
+                 "keep_alive", "started", "route", "model", "state", "transport")
+
+    def __init__(self, rid, method, target, version, headers, body, keep_alive, transport):
+        self.id = rid
+        self.method = method
+        self.target = target
+        # Paths are matched as sent: no route needs percent-decoding, and
+        # not decoding means no ambiguity between "/a%2Fb" and "/a/b".
+        self.path, _, self.query = target.partition("?")
+        self.version = version
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.started = time.monotonic()
+        self.route = None       # the matched route pattern, a bounded label for metrics
+        self.model = None       # set by inference and admin handlers for inspection
+        self.state = "running"
+        self.transport = transport
+
+    def header(self, name):
+        """The single value of a header, None when absent; a repeated header rejects."""
+        values = [v for n, v in self.headers if n == name]
+        if len(values) > 1:
+            raise HTTPError(400, f"header {name!r} must appear at most once", "duplicate_header", name)
+        return values[0] if values else None
+
+    def params(self, allowed):
+        """Query parameters, each at most once and only from `allowed`."""
+        try:
+            parsed = parse_qs(self.query, keep_blank_values=True, strict_parsing=bool(self.query),
+                              errors="strict", max_num_fields=32)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"malformed query string: {e}", "invalid_query") from None
+        for name, values in parsed.items():
+            if name not in allowed:
+                raise HTTPError(400, f"unknown query parameter {name!r}", "unknown_parameter", name)
+            if len(values) > 1:
+                raise HTTPError(400, f"query parameter {name!r} repeated", "duplicate_parameter", name)
+        return {name: values[0] for name, values in parsed.items()}
+
+    def int_param(self, params, name, default, lo, hi):
+        raw = params.get(name)
+        if raw is None:
+            return default
+        if not raw.isdigit() or len(raw) > 18 or not lo <= int(raw) <= hi:
+            raise HTTPError(400, f"{name} must be an integer from {lo} to {hi}", "invalid_parameter", name)
+        return int(raw)
+
+    def json(self, spec=None):
+        """The body as strict JSON (see jsonin), validated against `spec` when given."""
+        from . import jsonin  # TEMP until jsonin lands
+        ctype = (self.header("content-type") or "").split(";")[0].strip().lower()
+        if ctype and ctype != JSON_TYPE:
+            raise HTTPError(415, f"expected Content-Type application/json, got {ctype!r}", "unsupported_media_type")
+        try:
+            value = jsonin.loads(self.body)
+            return spec.validate(value) if spec is not None else value
+        except jsonin.JSONInputError as e:
+            raise HTTPError(400, e.message, e.code, e.param) from None
+
+    def require_empty_body(self):
+        if self.body:
+            raise HTTPError(400, f"{self.method} {self.route or self.path} takes no request body", "unexpected_body")
+
+
+class Response:
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status=200, body=b"", content_type=None, headers=()):
+        self.status = status
+        self.headers = list(headers)
+        if content_type:
+            self.headers.append(("Content-Type", content_type))
+        self.body = body
+
+    @classmethod
+    def json(cls, value, status=200, headers=()):
+        body = json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        return cls(status, body, JSON_TYPE, headers)
+
+    @classmethod
+    def text(cls, text, status=200, content_type=TEXT_TYPE, headers=()):
+        return cls(status, text.encode() if isinstance(text, str) else text, content_type, headers)
+
+    def head_bytes(self, keep_alive, length=None, chunked=False):
+        lines = [f"HTTP/1.1 {self.status} {REASONS.get(self.status, 'Status')}", "Server: loom"]
+        lines += [f"{k}: {v}" for k, v in self.headers]
+        if chunked:
+            lines.append("Transfer-Encoding: chunked")
+        elif length is not None:
+            lines.append(f"Content-Length: {length}")
+        if not keep_alive:
+            lines.append("Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class Stream(Response):
+    """A chunked body produced incrementally. The server attaches it to the connection."""
+
+    __slots__ = ("on_ready", "on_close", "finished", "closed", "cancel_on_shutdown", "_sink", "_pending")
+
+    def __init__(self, status=200, content_type=SSE_TYPE, headers=()):
+        extra = [("Cache-Control", "no-cache")] if content_type == SSE_TYPE else []
+        super().__init__(status, b"", content_type, list(headers) + extra)
+        self.on_ready = None    # producer callback: credit is available again
+        self.on_close = None    # producer callback(reason): the client went away or the server stops
+        self.finished = False
+        self.closed = None      # the close reason once the stream can take no more data
+        self.cancel_on_shutdown = False  # endless streams (log tails) end at once on shutdown
+        self._sink = None       # the connection, once attached
+        self._pending = []      # chunks sent before attachment
+
+    @property
+    def ready(self):
+        """True while the connection has output credit for more data."""
+        return self.closed is None and not self.finished and (self._sink is None or self._sink.has_credit())
+
+    def send(self, data):
+        """Queue one chunk (flushed at once). Returns False if the stream is closed."""
+        if self.closed is not None or self.finished:
+            return False
+        if data:
+            if self._sink is None:
+                self._pending.append(data)
+            else:
+                self._sink.write_chunk(data)
+        return True
+
+    def finish(self):
+        if self.closed is None and not self.finished:
+            self.finished = True
+            if self._sink is not None:
+                self._sink.finish_stream()
+
+    # The server side of the protocol.
+    def attach(self, sink):
+        self._sink = sink
+        pending, self._pending = self._pending, []
+        for data in pending:
+            sink.write_chunk(data)
+        if self.finished:
+            sink.finish_stream()
+
+    def notify_ready(self):
+        if self.on_ready is not None and self.ready:
+            self.on_ready()
+
+    def abort(self, reason):
+        if self.closed is None:
+            self.closed = reason
+            if self.on_close is not None and not self.finished:
+                self.on_close(reason)
+
+
+class Deferred:
+    """A response that a background job completes later."""
+
+    __slots__ = ("on_cancel", "_sink", "response", "cancelled")
+
+    def __init__(self):
+        self.on_cancel = None
+        self._sink = None
+        self.response = None
+        self.cancelled = False
+
+    def resolve(self, response):
+        if self.response is not None or self.cancelled:
+            return False
+        self.response = response
+        if self._sink is not None:
+            self._sink(response)
+        return True
+
+    def attach(self, sink):
+        self._sink = sink
+        if self.response is not None:
+            sink(self.response)
+
+    def cancel(self):
+        if not self.cancelled and self.response is None:
+            self.cancelled = True
+            if self.on_cancel is not None:
+                self.on_cancel()
+
+
+def sse_event(data, event=None, id=None):
+    """One SSE event. `data` is a str (split on newlines into data: lines) or JSON-able value."""
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    out = []
+    if id is not None:
+        out.append(f"id: {id}")
+    if event is not None:
+        out.append(f"event: {event}")
+    out.extend(f"data: {line}" for line in data.split("\n"))
+    return ("\n".join(out) + "\n\n").encode()
