@@ -242,6 +242,10 @@ class Connection:
     def on_event(self, mask):
         if mask & selectors.EVENT_WRITE and not self.closed:
             self.flush()
+            # Credit is returned only from the writable event, never from inside a
+            # producer's own send(), so producers are not re-entered.
+            if self.stream is not None and not self.closed and len(self.out) < self.high_water // 2:
+                self.stream.notify_ready()
         if mask & selectors.EVENT_READ and not self.closed:
             self.on_readable()
 
@@ -414,10 +418,6 @@ class Connection:
                 self.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 self.close()
-                return
-        if self.stream is not None and len(self.out) < self.high_water // 2:
-            self.stream.notify_ready()
-            if self.closed:
                 return
         self.update_interest()
 

@@ -161,7 +161,9 @@ cdef class RequestParser:
 
     @property
     def state(self):
-        """'idle' (nothing of a next request buffered), 'head' or 'body'."""
+        """'idle' (nothing of a next request buffered), 'head', 'body' or 'failed'."""
+        if self.failed:
+            return "failed"
         if self.state == IDLE:
             return "head" if self.pos < len(self.buf) else "idle"
         return "head" if self.state == HEAD else "body"

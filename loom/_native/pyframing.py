@@ -62,6 +62,8 @@ class RequestParser:
 
     @property
     def state(self):
+        if self.failed:
+            return "failed"
         if self.step == "head":
             return "head" if self.data else "idle"
         return "body"

@@ -1,0 +1,242 @@
+"""Start real Loom servers for end-to-end tests.
+
+- `live_server(*flags)`: `python -m loom` in a subprocess on an ephemeral TCP
+  port and a Unix socket, exactly as a user runs it.
+- `thread_server(routes)`: the same Server class in a thread of this process,
+  with extra routes, for transport behaviour that needs a handler we control
+  (echoing bodies, producing streams) or a look at server internals.
+"""
+
+import http.client
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path, timeout=10):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+class Endpoint:
+    """Where a server listens, with small helpers to talk to it."""
+
+    def __init__(self, host, port, unix_path):
+        self.host, self.port, self.unix_path = host, port, unix_path
+        self.url = f"http://{host}:{port}"
+
+    def connection(self, transport="tcp", timeout=10):
+        if transport == "unix":
+            return UnixHTTPConnection(self.unix_path, timeout)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def request(self, method, path, body=None, headers=None, transport="tcp"):
+        conn = self.connection(transport)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def raw(self, transport="tcp", timeout=10):
+        if transport == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(self.unix_path)
+        else:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        return sock
+
+
+class _Reader(io.BufferedReader):
+    """A socket's one buffered reader: responses read in sequence share its buffer."""
+
+    def close(self):
+        pass  # http.client closes its fp after each response; the socket lives on
+
+
+_readers = weakref.WeakKeyDictionary()
+
+
+def reader(sock):
+    if sock not in _readers:
+        _readers[sock] = _Reader(socket.SocketIO(sock, "rb"))
+    return _readers[sock]
+
+
+class _ViaReader:
+    def __init__(self, sock):
+        self.sock = sock
+
+    def makefile(self, *args, **kwargs):
+        return reader(self.sock)
+
+
+def read_response(sock, head_only=False):
+    """Read one HTTP/1.1 response from a raw socket: (status, headers, body)."""
+    resp = http.client.HTTPResponse(_ViaReader(sock), method="HEAD" if head_only else "GET")
+    resp.begin()
+    body = resp.read()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+def recv_all(sock, timeout=10):
+    """Everything until the server closes the connection."""
+    sock.settimeout(timeout)
+    chunks = []
+    while True:
+        try:
+            data = reader(sock).read1(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+class LiveServer(Endpoint):
+    def __init__(self, proc, host, port, unix_path, stderr_lines):
+        super().__init__(host, port, unix_path)
+        self.proc = proc
+        self.stderr_lines = stderr_lines
+
+    def stop(self, sig=signal.SIGTERM, timeout=20):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def _start_live(tmp_path, flags):
+    unix_path = str(tmp_path / "loom.sock")
+    cmd = [sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{unix_path}", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    port_found = threading.Event()
+    found = {}
+
+    def pump():
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"listening on tcp:([\d.]+):(\d+)", line)
+            if m:
+                found["host"], found["port"] = m.group(1), int(m.group(2))
+            if "listening on unix:" in line and "port" in found:
+                port_found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not port_found.wait(30):
+        proc.kill()
+        raise RuntimeError("server did not start:\n" + "".join(lines))
+    server = LiveServer(proc, found["host"], found["port"], unix_path, lines)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if server.request("GET", "/readyz")[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("server never became ready:\n" + "".join(lines))
+
+
+@pytest.fixture
+def live_server(tmp_path):
+    """Factory: live_server(*flags) starts `python -m loom` and stops it after the test."""
+    started = []
+
+    def start(*flags):
+        server = _start_live(tmp_path, flags)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One `python -m loom` with default flags, shared by a module's read-only tests."""
+    server = _start_live(tmp_path_factory.mktemp("loom"), ())
+    yield server
+    server.stop()
+
+
+class ThreadServer(Endpoint):
+    def __init__(self, server, unix_path):
+        tcp = next(l for l in server.listeners if l.transport == "tcp")
+        host, port = tcp.sock.getsockname()[:2]
+        super().__init__(host, port, unix_path)
+        self.server = server
+        self.thread = threading.Thread(target=server.serve_forever, kwargs={"signals": False}, daemon=True)
+        self.thread.start()
+
+    def call(self, fn, *args, timeout=10):
+        """Run fn on the loop thread and return its result."""
+        done = threading.Event()
+        box = {}
+
+        def run():
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # surfaced to the test below
+                box["error"] = e
+            done.set()
+
+        self.server.loop.call_soon_threadsafe(run)
+        assert done.wait(timeout), "loop did not run the call"
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def stop(self):
+        self.server.loop.call_soon_threadsafe(self.server.shutdown)
+        self.thread.join(20)
+        assert not self.thread.is_alive(), "server thread did not stop"
+
+
+@pytest.fixture
+def thread_server(tmp_path):
+    """Factory: thread_server(extra_routes, **config) runs a Server in a thread."""
+    from loom import routes
+    from loom.server import Config, Server
+
+    started = []
+
+    def start(extra_routes=(), **config):
+        unix_path = str(tmp_path / f"t{len(started)}.sock")
+        table = routes.Table(routes.ROUTES + list(extra_routes))
+        cfg = Config(listen=["tcp:127.0.0.1:0", f"unix:{unix_path}"], **config)
+        server = Server(cfg, dispatch=lambda s, r: routes.dispatch(s, r, table))
+        server.start()
+        ts = ThreadServer(server, unix_path)
+        started.append(ts)
+        return ts
+
+    yield start
+    for ts in started:
+        if ts.thread.is_alive():
+            ts.stop()
