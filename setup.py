@@ -1,5 +1,4 @@
 """Build Loom: the pure-Python package plus its Cython hot paths in loom/_native."""
-import numpy  # noqa: F401  (kept importable for later extensions that need its headers)
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 

@@ -14,6 +14,9 @@ import json
 import time
 from urllib.parse import parse_qs
 
+from . import jsonin
+from ._native import multipart
+
 
 REASONS = {
     200: "OK", 201: "Created", 202: "Accepted", 204: "No Content",
@@ -108,15 +111,24 @@ class Request:
 
     def json(self, spec=None):
         """The body as strict JSON (see jsonin), validated against `spec` when given."""
-        from . import jsonin  # TEMP until jsonin lands
         ctype = (self.header("content-type") or "").split(";")[0].strip().lower()
         if ctype and ctype != JSON_TYPE:
-            raise HTTPError(415, f"expected Content-Type application/json, got {ctype!r}", "unsupported_media_type")
+            raise HTTPError(415, f"expected Content-Type application/json, got {ctype!r} "
+                                 "(curl: -H 'Content-Type: application/json')", "unsupported_media_type")
         try:
             value = jsonin.loads(self.body)
             return spec.validate(value) if spec is not None else value
         except jsonin.JSONInputError as e:
             raise HTTPError(400, e.message, e.code, e.param) from None
+
+    def form(self, max_parts=1024):
+        """The body as multipart/form-data parts, in order (see _native.multipart)."""
+        ctype = self.header("content-type") or ""
+        try:
+            return multipart.parse(self.body, ctype, max_parts=max_parts)
+        except multipart.MultipartError as e:
+            status = 415 if not ctype.lower().startswith("multipart/form-data") else 400
+            raise HTTPError(status, e.message, "invalid_multipart") from None
 
     def require_empty_body(self):
         if self.body:

@@ -356,9 +356,8 @@ class Connection:
         self.response_status = response.status
         if not request.keep_alive:
             self.closing = True
-        self.write(response.head_bytes(request.keep_alive, length=len(response.body)))
-        if not head_only:
-            self.write(response.body)
+        head = response.head_bytes(request.keep_alive, length=len(response.body))
+        self.write(head if head_only else head + response.body)  # one send: no Nagle stall between them
         self.complete()
 
     # Stream sink protocol (see http.Stream).
@@ -612,6 +611,8 @@ class Server:
                 pass  # best effort: the refusal must never block the loop
             sock.close()
             return
+        if listener.transport == "tcp":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE events and small replies go out at once
         self.connections_accepted.inc(transport=listener.transport)
         self.connections.add(Connection(self, sock, listener))
 

@@ -75,6 +75,16 @@ class TestValid:
         assert err is None
         assert [r[1] for r in reqs] == ["/healthz", "/v1/x", "/v1/x", "/healthz"]
 
+    def test_one_request_per_read_on_a_kept_alive_connection(self, mod):
+        # The common keep-alive shape: each read holds exactly one whole request.
+        p = mod.RequestParser()
+        for data in [GET, LENGTH, CHUNKED, GET, GET[:7], GET[7:]]:
+            p.feed(data)
+            r = p.next_request()
+            if data != GET[:7]:
+                assert r is not None and r[1] in ("/healthz", "/v1/x")
+        assert p.state == "idle" and p.buffered == 0
+
     def test_keep_alive_rules(self, mod):
         close = req(b"GET / HTTP/1.1\nHost: x\nConnection: close\n")
         http10 = req(b"GET / HTTP/1.0\n")
@@ -191,7 +201,9 @@ FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCh
 @FUZZ
 @given(st.sampled_from(VALID_STREAMS + [r[1] for r in REJECTS]), st.lists(st.integers(0, 10_000), max_size=12))
 def test_random_splits_do_not_change_the_outcome(data, cuts):
+    boundaries = [len(GET), len(GET) + len(CHUNKED)]  # reads that end exactly at a request's end
     for mod in IMPLS:
+        assert parse_all(mod, data, boundaries) == parse_all(mod, data)
         assert parse_all(mod, data, cuts) == parse_all(mod, data)
 
 

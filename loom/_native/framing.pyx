@@ -132,7 +132,7 @@ cdef class RequestParser:
     latin-1 value) in arrival order, body bytes. It raises FramingError.
     """
 
-    cdef bytearray buf
+    cdef bytes buf                  # unconsumed input starts at pos; replaced, not grown, by feed
     cdef Py_ssize_t pos
     cdef Py_ssize_t scan            # where the next CRLFCRLF search resumes
     cdef int state
@@ -140,13 +140,14 @@ cdef class RequestParser:
     cdef Py_ssize_t remaining       # bytes left of the current CL body or chunk
     cdef Py_ssize_t trailer_used
     cdef int leading                # empty lines skipped before this request line
-    cdef bytearray body
+    cdef list body                  # body pieces, joined once at the end
+    cdef Py_ssize_t body_len
     cdef object head                # (method, target, version, headers, keep_alive)
     cdef readonly bint failed
 
     def __init__(self, Py_ssize_t header_bytes=16384, Py_ssize_t body_bytes=1 << 20,
                  Py_ssize_t chunk_line_bytes=1024, Py_ssize_t trailer_bytes=8192):
-        self.buf = bytearray()
+        self.buf = b""
         self.pos = 0
         self.scan = 0
         self.state = IDLE
@@ -154,7 +155,8 @@ cdef class RequestParser:
         self.body_bytes = body_bytes
         self.chunk_line_bytes = chunk_line_bytes
         self.trailer_bytes = trailer_bytes
-        self.body = bytearray()
+        self.body = []
+        self.body_len = 0
         self.head = None
         self.leading = 0
         self.failed = False
@@ -176,12 +178,15 @@ cdef class RequestParser:
     def feed(self, data):
         if self.failed:
             raise FramingError(400, "connection_failed", "the connection already failed framing")
-        # Compact the consumed prefix once it dominates, so memory tracks what is pending.
-        if self.pos > 65536 and self.pos * 2 > len(self.buf):
-            del self.buf[:self.pos]
-            self.scan -= self.pos
-            self.pos = 0
-        self.buf += data
+        # Keep only what is pending: when everything was consumed (the common
+        # case for bodies) the new read becomes the buffer without a copy.
+        if self.pos >= len(self.buf):
+            self.buf = bytes(data)
+            self.scan = 0
+        else:
+            self.buf = self.buf[self.pos:] + data
+            self.scan = max(0, self.scan - self.pos)
+        self.pos = 0
 
     def next_request(self):
         if self.failed:
@@ -244,7 +249,7 @@ cdef class RequestParser:
             return False
         if end + 4 - self.pos > self.header_bytes:
             raise FramingError(431, "header_too_large", f"request head exceeds {self.header_bytes} bytes")
-        block = bytes(self.buf[self.pos:end])
+        block = self.buf[self.pos:end]
         self.pos = end + 4
         self._parse_head(block)
         return True
@@ -300,7 +305,8 @@ cdef class RequestParser:
             raise FramingError(400, "invalid_host", "an HTTP/1.1 request needs exactly one Host header")
 
         self.head = (method.decode("ascii"), target.decode("ascii"), version, headers, keep_alive)
-        self.body = bytearray()
+        self.body = []
+        self.body_len = 0
         if codings is not None:
             if content_length is not None:
                 raise FramingError(400, "ambiguous_framing", "both Content-Length and Transfer-Encoding")
@@ -329,7 +335,8 @@ cdef class RequestParser:
         cdef Py_ssize_t avail = len(self.buf) - self.pos
         cdef Py_ssize_t take = self.remaining if self.remaining < avail else avail
         if take > 0:
-            self.body += self.buf[self.pos:self.pos + take]
+            self.body.append(self.buf[self.pos:self.pos + take])  # no copy when it is the whole read
+            self.body_len += take
             self.pos += take
             self.remaining -= take
         return self.remaining == 0
@@ -363,14 +370,14 @@ cdef class RequestParser:
         if i < end:
             if self.buf[i] != 0x3B:
                 raise FramingError(400, "malformed_chunk", "invalid character after chunk size")
-            if not _is_field_value(bytes(self.buf[i:end])):
+            if not _is_field_value(self.buf[i:end]):
                 raise FramingError(400, "malformed_chunk", "control character in a chunk extension")
         self.pos = end + 2
         if size == 0:
             self.trailer_used = 0
             self.state = TRAILERS
             return True
-        if <Py_ssize_t>size > self.body_bytes - len(self.body):
+        if <Py_ssize_t>size > self.body_bytes - self.body_len:
             raise FramingError(413, "body_too_large",
                                f"chunked request body exceeds the {self.body_bytes}-byte limit")
         self.remaining = <Py_ssize_t>size
@@ -390,7 +397,7 @@ cdef class RequestParser:
             self.trailer_used += end + 2 - self.pos
             if self.trailer_used > self.trailer_bytes:
                 raise FramingError(431, "trailers_too_large", f"trailers exceed {self.trailer_bytes} bytes")
-            line = bytes(self.buf[self.pos:end])
+            line = self.buf[self.pos:end]
             self.pos = end + 2
             if not line:
                 return True
@@ -398,8 +405,9 @@ cdef class RequestParser:
 
     cdef object _finish(self):
         method, target, version, headers, keep_alive = self.head
-        body = bytes(self.body)
-        self.body = bytearray()
+        body = b"".join(self.body)
+        self.body = []
+        self.body_len = 0
         self.head = None
         self.state = IDLE
         self.scan = self.pos
