@@ -16,6 +16,18 @@ Two halves, both pure standard library:
 
 Every rejection is a ``JSONInputError``; the HTTP layer renders it as a 400
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``.
+``param`` is a JSON path such as ``messages[2].content`` or
+``questions["needs reply"].type``; validation messages read ``"<param>: <detail>"``.
+
+    CHAT = Obj({
+        "model": Str(min_len=1),                      # fields are required by default
+        "messages": Arr(MESSAGE, min_len=1),
+        "stream": Bool(optional=True, nullable=True),
+        "max_tokens": Int(lo=1, hi=16384, optional=True),
+        "stop": OneOf(Str(), Arr(Str(), max_len=4), optional=True),
+        "options": Obj(None, optional=True),          # any object, free-form
+    })
+    body = parse(request.body, CHAT)                  # dict of the keys sent, validated
 """
 from __future__ import annotations
 
