@@ -538,11 +538,10 @@ class Server:
             raise
         for listener in self.listeners:
             self.loop.selector.register(listener.sock, selectors.EVENT_READ, listener.on_accept)
-            log.info("listening on %s", listener.address)
-            self.logs.append("info", "listening", address=listener.address)
+            log.info("listening on %s", listener.address, extra={"event": "listening", "address": listener.address})
         self.loop.call_later(SWEEP_SECONDS, self._sweep)
         self.ready = True
-        self.logs.append("info", "ready", version=__version__, pid=os.getpid())
+        log.info("ready", extra={"event": "ready", "version": __version__, "pid": os.getpid()})
 
     def serve_forever(self, signals=True):
         previous = self._install_signals() if signals else {}
@@ -571,8 +570,8 @@ class Server:
         self.stopping = True
         self.ready = False
         self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
-        log.info("shutting down: %d connections, %d requests in flight", len(self.connections), len(self.requests))
-        self.logs.append("info", "shutdown", connections=len(self.connections), in_flight=len(self.requests))
+        log.info("shutting down: %d connections, %d requests in flight", len(self.connections), len(self.requests),
+                 extra={"event": "shutdown"})
         for listener in self.listeners:
             self.loop.selector.unregister(listener.sock)
             listener.close()
@@ -631,8 +630,8 @@ class Server:
         except HTTPError as e:
             return e.response()
         except Exception:
-            log.exception("request %d %s %s failed", request.id, request.method, request.path)
-            self.logs.append("error", "handler_failed", request=request.id, path=request.path)
+            log.exception("request %d %s %s failed", request.id, request.method, request.path,
+                          extra={"event": "handler_failed", "request": request.id, "path": request.path})
             return HTTPError(500, "internal error", "internal_error").response()
 
     def finished(self, request, status, outcome, route=None):

@@ -416,3 +416,24 @@ def test_help_documents_every_flag():
     for flag in ("--listen", "--request_body_bytes", "--connections", "--header_bytes", "--header_timeout",
                  "--idle_timeout", "--request_timeout", "--output_buffer_bytes", "--log_level"):
         assert flag in out.stdout
+
+
+def test_handler_failure_is_a_500_envelope_and_the_connection_goes_on(thread_server):
+    def broken(server, request):
+        raise RuntimeError("bug")
+
+    ts = thread_server([("GET", "/broken", broken)])
+    conn = ts.connection()
+    conn.request("GET", "/broken")
+    resp = conn.getresponse()
+    assert resp.status == 500 and error_of(resp.read()) == {
+        "message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}
+    conn.request("GET", "/healthz")
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
+def test_sse_event_encoding():
+    from loom.http import sse_event
+    assert sse_event({"a": 1}, event="chunk", id=7) == b'id: 7\nevent: chunk\ndata: {"a":1}\n\n'
+    assert sse_event("two\nlines") == b"data: two\ndata: lines\n\n"
