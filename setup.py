@@ -29,6 +29,8 @@ setup(
             "hypothesis>=6",
             "openai>=1.0",
             "prometheus_client>=0.17",
+            "gguf>=0.10",
+            "safetensors>=0.4",
         ],
     },
     package_data={"loom": ["py.typed"]},

@@ -255,8 +255,10 @@ def test_curl_chunked_upload_and_limits(echo_server, tmp_path):
 def test_slow_reader_stalls_only_its_own_producer(thread_server):
     producer = Producer()
     ts = thread_server([("GET", "/stream", producer)], output_buffer_bytes=64 << 10)
-    sock = ts.raw()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # before connect: a small window from the start
+    sock.settimeout(10)
+    sock.connect((ts.host, ts.port))
     sock.sendall(b"GET /stream?n=2000&size=4096 HTTP/1.1\r\nHost: x\r\n\r\n")
     time.sleep(1.0)  # the client reads nothing meanwhile
     stalled_at = producer.produced
