@@ -439,3 +439,13 @@ def test_sse_event_encoding():
     from loom.http import sse_event
     assert sse_event({"a": 1}, event="chunk", id=7) == b'id: 7\nevent: chunk\ndata: {"a":1}\n\n'
     assert sse_event("two\nlines") == b"data: two\ndata: lines\n\n"
+
+
+def test_readyz_is_503_while_not_ready(thread_server):
+    ts = thread_server()
+    ts.call(setattr, ts.server, "ready", False)  # as during start-up or shutdown
+    status, _, body = ts.request("GET", "/readyz")
+    assert status == 503 and error_of(body)["code"] == "not_ready"
+    assert ts.request("GET", "/healthz")[0] == 200  # liveness is unaffected
+    ts.call(setattr, ts.server, "ready", True)
+    assert ts.request("GET", "/readyz")[0] == 200
