@@ -1,0 +1,907 @@
+"""The Loom source language: `.loom` text <-> Module.
+
+A module declares what a model needs and how to run it:
+
+    spec    compile-time values bound from checkpoint metadata and options
+    param   device parameters prepared from checkpoint tensors
+    state   retained device state (e.g. paged KV)
+    kernel  an OpenCL kernel: library or inline source, typed arguments,
+            specialization defines and launch geometry
+    command a program for the control VM: loops, scalar arithmetic,
+            scratch buffers, kernel launches, calls
+    policy  a JSON object for the serving policy (chat template, limits...)
+
+Code (spec values, shapes, geometry, command bodies) is kept in one form:
+a flat list of instructions for a stack machine with structured control flow
+(`for`/`if`/`else`/`end` bracket their bodies, as in WebAssembly). That is
+what .loombc stores and the VM runs, and because it is structured it prints
+back to text exactly, so text -> module -> text is a fixed point and
+text -> module -> binary -> module is lossless.
+
+The grammar is in docs/language.md. Command line for authors:
+
+    python -m loom.language check x.loom
+    python -m loom.language compile x.loom -o x.loombc
+    python -m loom.language disassemble x.loombc
+"""
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+
+DTYPES = ("f32", "f16", "i32", "weight")
+ARG_TYPES = ("buf", "int", "float")
+KINDS = ("text", "sequence", "embedding", "decision", "image", "speech", "recognition")
+
+BINARY = {  # operator -> (opcode, precedence); higher binds tighter
+    "or": ("or", 1), "and": ("and", 2),
+    "==": ("eq", 4), "!=": ("ne", 4), "<": ("lt", 4), "<=": ("le", 4), ">": ("gt", 4), ">=": ("ge", 4),
+    "+": ("add", 5), "-": ("sub", 5),
+    "*": ("mul", 6), "/": ("div", 6), "//": ("idiv", 6), "%": ("mod", 6),
+    "**": ("pow", 8),
+}
+OPERATOR = {op: sym for sym, (op, _) in BINARY.items()}
+PRECEDENCE = {op: prec for _, (op, prec) in BINARY.items()}
+UNARY = {"neg": "-", "not": "not "}
+
+# Functions callable in expressions, with their arity (None = 1 or 2).
+BUILTINS = {
+    "meta": None,     # meta("key") or meta("key", default): checkpoint metadata
+    "option": None,   # option("name") or option("name", default): model document options
+    "shape": 2,       # shape("tensor", axis): a checkpoint tensor's dimension (row-major axis)
+    "has": 1,         # has("tensor"): whether the checkpoint holds it
+    "dtype": 1,       # dtype(x): a weight's storage type as a string ("F32", "Q8_0", ...)
+    "pages": 1,       # pages(state): pages in a paged state pool
+    "min": 2, "max": 2, "ceil": 2,  # ceil(a, b) is integer ceiling division
+    "int": 1, "float": 1, "sqrt": 1,
+}
+
+SPEC_PREDEFINED = ("format",)  # the checkpoint format, "gguf" or "safetensors", visible to specs
+
+STATEMENT_OPS = ("let", "scratch", "for", "if", "else", "end", "launch", "invoke")
+
+
+class LoomError(ValueError):
+    """A source or module error, with a location when there is one."""
+
+    def __init__(self, message, line=None, col=None, source=None):
+        where = f"{source or '<source>'}:{line}:{col}: " if line is not None else ""
+        super().__init__(where + message)
+        self.message = message
+        self.line = line
+        self.col = col
+
+
+# -- the module ------------------------------------------------------------------
+
+@dataclass
+class Spec:
+    name: str
+    code: list
+
+
+@dataclass
+class Param:
+    name: str
+    count: list | None          # code for the layer count when declared as name[count]
+    dtype: str
+    dims: list                  # code per dimension
+    sources: list               # tensor name patterns ({i} = layer index) or, prefixed "=", another param
+
+
+@dataclass
+class State:
+    name: str
+    dtype: str
+    page: list | None           # code for the page size when paged
+    dims: list
+
+
+@dataclass
+class KernelArg:
+    name: str
+    type: str                   # buf | int | float | tensor
+    binds: list = field(default_factory=list)   # names bound to a tensor argument's dimensions
+
+
+@dataclass
+class Kernel:
+    name: str
+    args: list
+    library: str | None         # file in opencl/, or None for inline source
+    source: str | None          # inline OpenCL C
+    entry: str
+    defines: list               # (name, code) pairs; name None = a flag whose name is the code's string value
+    grid: list
+    local: list | None
+
+
+@dataclass
+class Command:
+    name: str
+    args: list                  # (name, type)
+    body: list
+
+
+@dataclass
+class Module:
+    name: str
+    kind: str | None = None
+    specs: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+    states: list = field(default_factory=list)
+    kernels: list = field(default_factory=list)
+    commands: list = field(default_factory=list)
+    policy: dict | None = None
+
+    def find(self, section, name):
+        return next((d for d in getattr(self, section) if d.name == name), None)
+
+
+# -- lexer -----------------------------------------------------------------------
+
+TOKEN = re.compile(r"""
+    (?P<ws>[ \t\r\n]+|\#[^\n]*)
+  | (?P<triple>\"\"\"[\s\S]*?\"\"\")
+  | (?P<string>"(?:[^"\\\n]|\\.)*")
+  | (?P<float>(?:\d+\.(?!\.)\d*|(?<!\.)\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)
+  | (?P<int>\d+)
+  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<op>\*\*|//|==|!=|<=|>=|\.\.|[-+*/%<>()\[\]{},:=|?;])
+""", re.VERBOSE)
+
+KEYWORDS = {"module", "kind", "spec", "param", "state", "kernel", "command", "policy", "let", "scratch",
+            "for", "in", "if", "else", "and", "or", "not", "from", "source", "entry", "defines", "grid",
+            "local", "paged", "flag", "true", "false"}
+
+
+@dataclass
+class Tok:
+    kind: str
+    text: str
+    line: int
+    col: int
+
+
+def tokenize(text, source=None):
+    tokens, pos, line, line_start = [], 0, 1, 0
+    while pos < len(text):
+        m = TOKEN.match(text, pos)
+        if not m:
+            raise LoomError(f"unexpected character {text[pos]!r}", line, pos - line_start + 1, source)
+        kind, value = m.lastgroup, m.group()
+        if kind != "ws":
+            if kind == "name" and value in KEYWORDS:
+                kind = "kw"
+            tokens.append(Tok(kind, value, line, pos - line_start + 1))
+        newlines = value.count("\n")
+        if newlines:
+            line += newlines
+            line_start = pos + value.rindex("\n") + 1
+        pos = m.end()
+    # End of file is reported just after the last token, where the missing text belongs.
+    last = tokens[-1] if tokens else None
+    tokens.append(Tok("eof", "", last.line, last.col + len(last.text)) if last and "\n" not in last.text
+                  else Tok("eof", "", line, pos - line_start + 1))
+    return tokens
+
+
+def _unquote(tok):
+    if tok.kind == "triple":
+        return tok.text[3:-3]  # raw: kernel source is written as is, backslashes included
+    try:
+        return json.loads(tok.text)
+    except json.JSONDecodeError:
+        raise LoomError("invalid escape in string", tok.line, tok.col) from None
+
+
+# -- parser ----------------------------------------------------------------------
+
+class Parser:
+    def __init__(self, text, source=None):
+        self.text = text
+        self.source = source
+        self.tokens = tokenize(text, source)
+        self.i = 0
+
+    def error(self, message, tok=None):
+        tok = tok or self.peek()
+        return LoomError(message, tok.line, tok.col, self.source)
+
+    def peek(self, ahead=0):
+        return self.tokens[min(self.i + ahead, len(self.tokens) - 1)]
+
+    def next(self):
+        tok = self.peek()
+        self.i += 1
+        return tok
+
+    def at(self, text, kind=None):
+        tok = self.peek()
+        return tok.text == text and (kind is None or tok.kind == kind) and tok.kind not in ("string", "triple")
+
+    def accept(self, text):
+        if self.at(text):
+            return self.next()
+        return None
+
+    def expect(self, text):
+        if not self.at(text):
+            raise self.error(f"expected {text!r}, found {self.peek().text or 'end of file'!r}")
+        return self.next()
+
+    def name(self, what="a name"):
+        tok = self.peek()
+        if tok.kind != "name":
+            raise self.error(f"expected {what}, found {tok.text or 'end of file'!r}")
+        return self.next().text
+
+    def string(self, what="a string"):
+        tok = self.peek()
+        if tok.kind not in ("string", "triple"):
+            raise self.error(f"expected {what}")
+        return _unquote(self.next())
+
+    # module := 'module' NAME ('kind' NAME)? decl*
+    def module(self):
+        self.expect("module")
+        module = Module(self.name("the module name"))
+        if self.accept("kind"):
+            tok = self.peek()
+            module.kind = self.name("a kind")
+            if module.kind not in KINDS:
+                raise self.error(f"unknown kind {module.kind!r}; one of {', '.join(KINDS)}", tok)
+        while self.peek().kind != "eof":
+            tok = self.peek()
+            keyword = tok.text if tok.kind == "kw" else None
+            parse = {"spec": self.spec, "param": self.param, "state": self.state, "kernel": self.kernel,
+                     "command": self.command, "policy": self.policy}.get(keyword)
+            if parse is None:
+                raise self.error(f"expected a declaration (spec, param, state, kernel, command, policy), "
+                                 f"found {tok.text!r}")
+            self.next()
+            parse(module, tok)
+        check(module, self.source)
+        return module
+
+    def declare(self, module, section, decl, tok):
+        if module.find(section, decl.name) is not None:
+            raise self.error(f"{section[:-1]} {decl.name!r} is declared twice", tok)
+        getattr(module, section).append(decl)
+
+    def spec(self, module, tok):
+        name = self.name()
+        self.expect("=")
+        self.declare(module, "specs", Spec(name, self.expr()), tok)
+
+    def param(self, module, tok):
+        name = self.name()
+        count = None
+        if self.accept("["):
+            count = self.expr()
+            self.expect("]")
+        self.expect(":")
+        dtype = self.dtype()
+        dims = self.shape()
+        self.expect("=")
+        sources = [self.source_ref()]
+        while self.accept("|"):
+            sources.append(self.source_ref())
+        self.declare(module, "params", Param(name, count, dtype, dims, sources), tok)
+
+    def source_ref(self):
+        if self.peek().kind == "name":
+            return "=" + self.next().text
+        return self.string("a tensor name or a param")
+
+    def dtype(self):
+        tok = self.peek()
+        if tok.text not in DTYPES or tok.kind != "name":
+            raise self.error(f"expected a dtype ({', '.join(DTYPES)})")
+        return self.next().text
+
+    def shape(self):
+        self.expect("[")
+        dims = [self.expr()]
+        while self.accept(","):
+            dims.append(self.expr())
+        self.expect("]")
+        return dims
+
+    def state(self, module, tok):
+        name = self.name()
+        self.expect(":")
+        dtype = self.dtype()
+        page = None
+        if self.accept("paged"):
+            self.expect("(")
+            page = self.expr()
+            self.expect(")")
+        self.declare(module, "states", State(name, dtype, page, self.shape()), tok)
+
+    def kernel(self, module, tok):
+        name = self.name()
+        self.expect("(")
+        args = []
+        while not self.at(")"):
+            if args:
+                self.expect(",")
+            arg_name = self.name("an argument name")
+            self.expect(":")
+            type_tok = self.peek()
+            arg_type = self.name("an argument type")
+            binds = []
+            if arg_type == "tensor":
+                self.expect("[")
+                binds.append(self.name("a dimension name"))
+                while self.accept(","):
+                    binds.append(self.name("a dimension name"))
+                self.expect("]")
+            elif arg_type not in ARG_TYPES:
+                raise self.error(f"argument type must be buf, int, float or tensor[...], not {arg_type!r}", type_tok)
+            args.append(KernelArg(arg_name, arg_type, binds))
+        self.expect(")")
+        library = source = None
+        if self.accept("from"):
+            library = self.string("a library file name")
+        elif self.accept("source"):
+            source = self.string("OpenCL C source")
+        else:
+            raise self.error("expected 'from \"file.cl\"' or 'source \"\"\"...\"\"\"'")
+        entry = self.string("an entry point name") if self.accept("entry") else name
+        defines = []
+        if self.accept("defines"):
+            self.expect("{")
+            while not self.at("}"):
+                if defines:
+                    self.expect(",")
+                if self.accept("flag"):
+                    defines.append((None, self.expr()))
+                else:
+                    define = self.name("a define name")
+                    self.expect("=")
+                    defines.append((define, self.expr()))
+            self.expect("}")
+        self.expect("grid")
+        grid = self.shape()
+        local = self.shape() if self.accept("local") else None
+        self.declare(module, "kernels", Kernel(name, args, library, source, entry, defines, grid, local), tok)
+
+    def command(self, module, tok):
+        name = self.name()
+        self.expect("(")
+        args = []
+        while not self.at(")"):
+            if args:
+                self.expect(",")
+            arg_name = self.name("an argument name")
+            self.expect(":")
+            type_tok = self.peek()
+            arg_type = self.name("an argument type")
+            if arg_type not in ARG_TYPES:
+                raise self.error(f"command arguments are buf, int or float, not {arg_type!r}", type_tok)
+            args.append((arg_name, arg_type))
+        self.expect(")")
+        body = []
+        self.block(body)
+        self.declare(module, "commands", Command(name, args, body), tok)
+
+    def block(self, code):
+        self.expect("{")
+        while not self.accept("}"):
+            self.statement(code)
+
+    def statement(self, code):
+        tok = self.peek()
+        if self.accept("let"):
+            name = self.name()
+            self.expect("=")
+            code += self.expr()
+            code.append(("let", name))
+        elif self.accept("scratch"):
+            name = self.name()
+            self.expect(":")
+            dtype = self.dtype()
+            dims = self.shape()
+            for dim in dims:
+                code += dim
+            code.append(("scratch", name, dtype, len(dims)))
+        elif self.accept("for"):
+            var = self.name("a loop variable")
+            self.expect("in")
+            code += self.expr()
+            self.expect("..")
+            code += self.expr()
+            code.append(("for", var))
+            self.block(code)
+            code.append(("end",))
+        elif self.accept("if"):
+            code += self.expr()
+            code.append(("if",))
+            self.block(code)
+            if self.accept("else"):
+                code.append(("else",))
+                if self.at("if"):
+                    self.statement(code)  # else if: a nested if inside the else block
+                else:
+                    self.block(code)
+            code.append(("end",))
+        elif tok.kind == "name" and self.peek(1).text == "(":
+            name = self.next().text
+            args = self.call_args()
+            for arg in args:
+                code += arg
+            code.append(("call", name, len(args)))  # resolved to launch/invoke by check()
+        else:
+            raise self.error(f"expected a statement (let, scratch, for, if, or a call), found {tok.text!r}")
+        self.accept(";")
+
+    def call_args(self):
+        self.expect("(")
+        args = []
+        while not self.at(")"):
+            if args:
+                self.expect(",")
+            args.append(self.expr())
+        self.expect(")")
+        return args
+
+    def policy(self, module, tok):
+        if module.policy is not None:
+            raise self.error("policy is declared twice", tok)
+        start = self.peek()
+        if start.text != "{":
+            raise self.error("expected a JSON object after policy")
+        # The policy is a JSON object: find its extent by bracket depth over tokens.
+        depth = 0
+        while True:
+            t = self.next()
+            if t.kind == "eof":
+                raise self.error("unterminated policy object", start)
+            if t.text in "{[" and t.kind == "op":
+                depth += 1
+            elif t.text in "}]" and t.kind == "op":
+                depth -= 1
+                if depth == 0:
+                    break
+        end = self.tokens[self.i - 1]
+        offset = _offset(self.text, start.line, start.col)
+        stop = _offset(self.text, end.line, end.col) + 1
+        from . import jsonin
+        try:
+            module.policy = jsonin.loads(self.text[offset:stop].encode())
+        except jsonin.JSONInputError as e:
+            raise self.error(f"policy is not strict JSON: {e.message}", start) from None
+
+    # expressions: precedence climbing, emitting postfix code
+    def expr(self, min_prec=0):
+        code = self.unary()
+        while True:
+            tok = self.peek()
+            if tok.kind in ("op", "kw") and tok.text in BINARY:
+                op, prec = BINARY[tok.text]
+                if prec < min_prec:
+                    break
+                self.next()
+                # ** is right-associative; the rest associate left
+                code += self.expr(prec if op == "pow" else prec + 1)
+                code.append((op,))
+            elif tok.text == "?" and min_prec <= 0:
+                self.next()
+                then = self.expr()
+                self.expect(":")
+                otherwise = self.expr()
+                code += then + otherwise + [("select",)]
+            else:
+                break
+        return code
+
+    def unary(self):
+        if self.accept("-"):
+            code = self.expr(7)
+            if len(code) == 1 and code[0][0] in ("int", "float"):
+                return [(code[0][0], -code[0][1])]  # a negative literal, so it prints back the same
+            return code + [("neg",)]
+        if self.accept("not"):
+            return self.expr(3) + [("not",)]
+        return self.postfix()
+
+    def postfix(self):
+        code = self.atom()
+        while self.at("["):
+            self.next()
+            code += self.expr()
+            self.expect("]")
+            code.append(("index",))
+        return code
+
+    def atom(self):
+        tok = self.next()
+        if tok.kind == "int":
+            return [("int", int(tok.text))]
+        if tok.kind == "float":
+            return [("float", float(tok.text))]
+        if tok.kind in ("string", "triple"):
+            return [("str", _unquote(tok))]
+        if tok.kind == "kw" and tok.text in ("true", "false"):
+            return [("bool", tok.text == "true")]
+        if tok.text == "(":
+            code = self.expr()
+            self.expect(")")
+            return code
+        if tok.kind == "name":
+            if self.at("("):
+                if tok.text not in BUILTINS:
+                    raise self.error(f"unknown function {tok.text!r}", tok)
+                args = self.call_args()
+                arity = BUILTINS[tok.text]
+                if (arity is None and len(args) not in (1, 2)) or (arity is not None and len(args) != arity):
+                    raise self.error(f"{tok.text}() takes {arity or '1 or 2'} arguments, got {len(args)}", tok)
+                return [op for arg in args for op in arg] + [("fn", tok.text, len(args))]
+            return [("name", tok.text)]
+        raise self.error(f"expected an expression, found {tok.text or 'end of file'!r}", tok)
+
+
+def _offset(text, line, col):
+    lines = text.split("\n")
+    return sum(len(l) + 1 for l in lines[:line - 1]) + col - 1
+
+
+def parse(text, source=None):
+    """Parse .loom text into a checked Module."""
+    return Parser(text, source).module()
+
+
+# -- checking ----------------------------------------------------------------------
+
+def check(module, source=None):
+    """Resolve names and validate a module's structure (used for text and binary alike)."""
+    def fail(message):
+        raise LoomError(message, source=source)
+
+    kernels = {k.name: k for k in module.kernels}
+    commands = {c.name: c for c in module.commands}
+    globals_ = {s.name for s in module.specs} | {p.name for p in module.params} | {s.name for s in module.states}
+    seen = set(SPEC_PREDEFINED)
+    for spec in module.specs:
+        _check_expr(spec.code, {s for s in seen}, f"spec {spec.name}", fail)
+        seen.add(spec.name)
+    specs = {s.name for s in module.specs}
+    params = {p.name for p in module.params}
+    for p in module.params:
+        if p.count is not None:
+            _check_expr(p.count, specs, f"param {p.name}", fail)
+        for dim in p.dims:
+            _check_expr(dim, specs, f"param {p.name}", fail)
+        for src in p.sources:
+            if src.startswith("=") and src[1:] not in params:
+                fail(f"param {p.name}: source {src[1:]!r} is not a param")
+    for s in module.states:
+        for code in ([s.page] if s.page else []) + s.dims:
+            _check_expr(code, specs, f"state {s.name}", fail)
+    for k in module.kernels:
+        names = set(specs)
+        for arg in k.args:
+            if arg.name in names:
+                fail(f"kernel {k.name}: argument {arg.name!r} repeats a name")
+            names.add(arg.name)
+            for bound in arg.binds:
+                if bound in names:
+                    fail(f"kernel {k.name}: dimension {bound!r} repeats a name")
+                names.add(bound)
+        for define, code in k.defines:
+            if define is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", define):
+                fail(f"kernel {k.name}: invalid define name {define!r}")
+            _check_expr(code, names, f"kernel {k.name}", fail)
+        if not 1 <= len(k.grid) <= 3 or (k.local is not None and len(k.local) != len(k.grid)):
+            fail(f"kernel {k.name}: grid needs 1 to 3 dimensions and local the same count")
+        for code in k.grid + (k.local or []):
+            _check_expr(code, names, f"kernel {k.name}", fail)
+        if (k.library is None) == (k.source is None):
+            fail(f"kernel {k.name}: needs exactly one of a library file or inline source")
+        if k.source is not None and ('"""' in k.source or k.source.endswith('"')):
+            fail(f'kernel {k.name}: inline source may not contain \'"""\' or end with \'"\'')
+        if k.library is not None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.cl", k.library):
+            fail(f"kernel {k.name}: library file must be a plain NAME.cl, not {k.library!r}")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k.entry):
+            fail(f"kernel {k.name}: invalid entry point {k.entry!r}")
+    for c in module.commands:
+        scope = set(globals_) | {a for a, _ in c.args}
+        if len({a for a, _ in c.args}) != len(c.args):
+            fail(f"command {c.name}: repeated argument name")
+        _check_body(c, scope, kernels, commands, fail)
+    if module.policy is not None and not isinstance(module.policy, dict):
+        fail("policy must be a JSON object")
+    return module
+
+
+EXPR_OPS = {"int", "float", "str", "bool", "name", "index", "fn", "select", "neg", "not"} | set(OPERATOR)
+
+
+def _stack_effect(ins):
+    op = ins[0]
+    if op in ("int", "float", "str", "bool", "name"):
+        return 0, 1
+    if op in ("neg", "not"):
+        return 1, 1
+    if op in OPERATOR or op == "index":
+        return 2, 1
+    if op == "select":
+        return 3, 1
+    if op == "fn":
+        return ins[2], 1
+    raise KeyError(op)
+
+
+def _check_expr(code, scope, where, fail):
+    depth = 0
+    for ins in code:
+        if ins[0] not in EXPR_OPS:
+            fail(f"{where}: {ins[0]!r} is not an expression instruction")
+        if ins[0] == "name" and ins[1] not in scope:
+            fail(f"{where}: unknown name {ins[1]!r}")
+        if ins[0] == "fn" and (ins[1] not in BUILTINS or
+                               (BUILTINS[ins[1]] or 0) not in (0, ins[2]) or not 1 <= ins[2] <= 2):
+            fail(f"{where}: bad call of {ins[1]!r}")
+        pops, pushes = _stack_effect(ins)
+        if depth < pops:
+            fail(f"{where}: malformed expression code")
+        depth += pushes - pops
+    if depth != 1:
+        fail(f"{where}: malformed expression code")
+
+
+def _check_body(command, scope, kernels, commands, fail):
+    where = f"command {command.name}"
+    depth, blocks, scope = 0, [], set(scope)
+    for n, ins in enumerate(command.body):
+        op = ins[0]
+        if op in EXPR_OPS:
+            if op == "name" and ins[1] not in scope:
+                fail(f"{where}: unknown name {ins[1]!r}")
+            if op == "fn" and ins[1] not in BUILTINS:
+                fail(f"{where}: unknown function {ins[1]!r}")
+            pops, pushes = _stack_effect(ins)
+        elif op in ("let", "scratch", "for"):
+            pops = {"let": 1, "scratch": ins[3] if op == "scratch" else 0, "for": 2}[op]
+            pushes = 0
+            if op == "scratch" and (ins[2] not in DTYPES or not 1 <= ins[3] <= 4):
+                fail(f"{where}: bad scratch declaration")
+            scope.add(ins[1])
+            if op == "for":
+                blocks.append("for")
+        elif op == "if":
+            pops, pushes = 1, 0
+            blocks.append("if")
+        elif op == "else":
+            if not blocks or blocks[-1] != "if":
+                fail(f"{where}: else without if")
+            blocks[-1] = "else"
+            pops = pushes = 0
+        elif op == "end":
+            if not blocks:
+                fail(f"{where}: end without a block")
+            blocks.pop()
+            pops = pushes = 0
+        elif op in ("call", "launch", "invoke"):
+            name, nargs = ins[1], ins[2]
+            if op != "invoke" and name in kernels:
+                expected = len(kernels[name].args)
+                command.body[n] = ("launch", name, nargs)
+            elif op != "launch" and name in commands:
+                expected = len(commands[name].args)
+                command.body[n] = ("invoke", name, nargs)
+            else:
+                fail(f"{where}: {name!r} is neither a kernel nor a command")
+            if nargs != expected:
+                fail(f"{where}: {name} takes {expected} arguments, got {nargs}")
+            pops, pushes = nargs, 0
+        else:
+            fail(f"{where}: unknown instruction {op!r}")
+        if depth < pops:
+            fail(f"{where}: malformed code")
+        depth += pushes - pops
+        if op in STATEMENT_OPS + ("call",) and depth != 0:
+            fail(f"{where}: malformed code")
+    if blocks or depth != 0:
+        fail(f"{where}: unterminated block")
+
+
+# -- printing ----------------------------------------------------------------------
+
+def _tree(code):
+    """Postfix expression code -> a nested tuple tree."""
+    stack = []
+    for ins in code:
+        pops, _ = _stack_effect(ins)
+        args = stack[len(stack) - pops:] if pops else []
+        del stack[len(stack) - pops:]
+        stack.append((ins, args))
+    return stack
+
+
+def expr_text(code):
+    (root,) = _tree(code)
+    return _node_text(root, 0)
+
+
+def _literal(value):
+    if isinstance(value, float):
+        text = repr(value)
+        return text if ("." in text or "e" in text or "inf" in text or "nan" in text) else text + ".0"
+    return str(value)
+
+
+def _node_text(node, parent_prec):
+    ins, args = node
+    op = ins[0]
+    if op in ("int", "float"):
+        text = _literal(ins[1])
+        return f"({text})" if ins[1] < 0 or text.startswith("-") else text
+    if op == "str":
+        return json.dumps(ins[1], ensure_ascii=False)
+    if op == "bool":
+        return "true" if ins[1] else "false"
+    if op == "name":
+        return ins[1]
+    if op == "index":
+        return f"{_node_text(args[0], 10)}[{_node_text(args[1], 0)}]"
+    if op == "fn":
+        return f"{ins[1]}({', '.join(_node_text(a, 0) for a in args)})"
+    if op == "select":
+        text = f"{_node_text(args[0], 1)} ? {_node_text(args[1], 0)} : {_node_text(args[2], 0)}"
+        return f"({text})" if parent_prec > 0 else text
+    if op in UNARY:
+        prec = 7 if op == "neg" else 3
+        text = UNARY[op] + _node_text(args[0], prec)
+        return f"({text})" if parent_prec > prec else text
+    prec = PRECEDENCE[op]
+    right_prec = prec if op == "pow" else prec + 1
+    left_prec = prec + 1 if op == "pow" else prec
+    text = f"{_node_text(args[0], left_prec)} {OPERATOR[op]} {_node_text(args[1], right_prec)}"
+    return f"({text})" if parent_prec > prec else text
+
+
+def _split_exprs(code, count):
+    """Split concatenated expression code into `count` expressions (last ones)."""
+    out, end = [], len(code)
+    for _ in range(count):
+        need, start = 1, end
+        while need:
+            start -= 1
+            pops, pushes = _stack_effect(code[start])
+            need += pops - pushes
+        out.append(code[start:end])
+        end = start
+    return code[:end], out[::-1]
+
+
+def format_module(module):
+    """Module -> canonical .loom text (parse(format_module(m)) == m)."""
+    out = [f"module {module.name}" + (f" kind {module.kind}" if module.kind else ""), ""]
+    for s in module.specs:
+        out.append(f"spec {s.name} = {expr_text(s.code)}")
+    if module.specs:
+        out.append("")
+    for p in module.params:
+        count = f"[{expr_text(p.count)}]" if p.count is not None else ""
+        sources = " | ".join(src[1:] if src.startswith("=") else json.dumps(src, ensure_ascii=False)
+                             for src in p.sources)
+        out.append(f"param {p.name}{count} : {p.dtype} {_dims_text(p.dims)} = {sources}")
+    if module.params:
+        out.append("")
+    for s in module.states:
+        paged = f" paged({expr_text(s.page)})" if s.page is not None else ""
+        out.append(f"state {s.name} : {s.dtype}{paged} {_dims_text(s.dims)}")
+    if module.states:
+        out.append("")
+    for k in module.kernels:
+        args = ", ".join(f"{a.name}: {a.type}" + (f"[{', '.join(a.binds)}]" if a.binds else "") for a in k.args)
+        out.append(f"kernel {k.name}({args})")
+        if k.library is not None:
+            out.append(f"    from {json.dumps(k.library)}")
+        else:
+            out.append(f'    source """{k.source}"""')
+        if k.entry != k.name:
+            out.append(f"    entry {json.dumps(k.entry)}")
+        if k.defines:
+            defines = ", ".join(f"flag {expr_text(c)}" if d is None else f"{d} = {expr_text(c)}" for d, c in k.defines)
+            out.append(f"    defines {{ {defines} }}")
+        out.append(f"    grid {_dims_text(k.grid)}" + (f" local {_dims_text(k.local)}" if k.local else ""))
+        out.append("")
+    for c in module.commands:
+        args = ", ".join(f"{a}: {t}" for a, t in c.args)
+        out.append(f"command {c.name}({args}) {{")
+        _body_text(c.body, out)
+        out.append("}")
+        out.append("")
+    if module.policy is not None:
+        out.append("policy " + json.dumps(module.policy, indent=2, ensure_ascii=False))
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _dims_text(dims):
+    return "[" + ", ".join(expr_text(d) for d in dims) + "]"
+
+
+def _body_text(body, out):
+    indent, pending = 1, []
+    for ins in body:
+        op = ins[0]
+        if op in EXPR_OPS:
+            pending.append(ins)
+            continue
+        pad = "    " * indent
+        if op == "let":
+            out.append(f"{pad}let {ins[1]} = {expr_text(pending)}")
+        elif op == "scratch":
+            _, dims = _split_exprs(pending, ins[3])
+            out.append(f"{pad}scratch {ins[1]} : {ins[2]} {_dims_text(dims)}")
+        elif op == "for":
+            _, (start, end) = _split_exprs(pending, 2)
+            out.append(f"{pad}for {ins[1]} in {expr_text(start)}..{expr_text(end)} {{")
+            indent += 1
+        elif op == "if":
+            out.append(f"{pad}if {expr_text(pending)} {{")
+            indent += 1
+        elif op == "else":
+            out.append(f"{'    ' * (indent - 1)}}} else {{")
+        elif op == "end":
+            indent -= 1
+            out.append(f"{'    ' * indent}}}")
+        elif op in ("launch", "invoke", "call"):
+            _, args = _split_exprs(pending, ins[2])
+            out.append(f"{pad}{ins[1]}({', '.join(expr_text(a) for a in args)})")
+        pending = []
+
+
+# -- command line ------------------------------------------------------------------
+
+def load(path):
+    """A module from .loom text or .loombc binary, by content."""
+    from . import bytecode
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(bytecode.MAGIC):
+        return bytecode.read(data, source=path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LoomError(f"not UTF-8 text at byte {e.start}", source=path) from None
+    return parse(text, path)
+
+
+def main(argv=None):
+    import argparse
+    from . import bytecode
+    ap = argparse.ArgumentParser(prog="python -m loom.language", description="Loom module tools for authors.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile", help="compile .loom text to .loombc")
+    c.add_argument("source")
+    c.add_argument("-o", "--output", required=True)
+    sub.add_parser("check", help="parse and check a .loom or .loombc file").add_argument("source")
+    sub.add_parser("format", help="print a module as canonical .loom text").add_argument("source")
+    sub.add_parser("disassemble", help="print a module's sections and code").add_argument("source")
+    args = ap.parse_args(argv)
+    try:
+        module = load(args.source)
+    except (LoomError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.cmd == "compile":
+        with open(args.output, "wb") as f:
+            f.write(bytecode.write(module))
+    elif args.cmd == "check":
+        print(f"{args.source}: ok ({len(module.specs)} specs, {len(module.params)} params, "
+              f"{len(module.states)} states, {len(module.kernels)} kernels, {len(module.commands)} commands)")
+    elif args.cmd == "format":
+        sys.stdout.write(format_module(module))
+    else:
+        sys.stdout.write(bytecode.disassemble(module))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,533 @@
+"""The control VM: binds a module to a checkpoint and runs command programs into launch plans.
+
+Two steps, both pure Python and device-free:
+
+1. `bind(module, metadata, tensors, options)` evaluates every `spec` in order
+   (with `meta`, `option`, `shape`, `has`), then resolves each `param` to a
+   checkpoint tensor (or an alias) and checks its shape, and sizes each
+   `state`. The result, a Binding, is what weight preparation and planning use.
+
+2. `Binding.plan(command, **args)` runs a command for one geometry (its scalar
+   arguments) and returns a flat Plan: the scratch buffers it needs and the
+   ordered kernel launches, each with its specialization defines, global and
+   local sizes and arguments (scalars, or references to params, states,
+   scratch and the command's buffer arguments). Loops and calls are unrolled,
+   so replaying a plan is a short loop of enqueues; plans are cached per
+   geometry by their owner.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from .language import LoomError
+
+MAX_STEPS = 2_000_000     # instructions per plan: a runaway loop fails instead of hanging
+MAX_DEPTH = 32            # nested command calls
+MAX_LAUNCHES = 100_000
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A device buffer a launch refers to, resolved to a real buffer at execution."""
+    kind: str            # "param" | "state" | "scratch" | "arg"
+    name: str
+    index: int | None = None
+
+
+@dataclass
+class Launch:
+    kernel: str          # the kernel declaration's name
+    defines: dict        # specialization: macro -> value (flags map to None)
+    grid: tuple
+    local: tuple | None
+    args: list           # Ref | int | float, in the kernel's argument order
+    arg_types: list      # "buf" | "int" | "float" | "tensor"
+
+
+@dataclass
+class Plan:
+    command: str
+    geometry: dict
+    scratch: dict = field(default_factory=dict)      # name -> (dtype, dims)
+    launches: list = field(default_factory=list)
+
+    def scratch_bytes(self):
+        return sum(_itemsize(dtype) * math.prod(dims) for dtype, dims in self.scratch.values())
+
+
+def _itemsize(dtype):
+    return 2 if dtype == "f16" else 4
+
+
+@dataclass
+class Tensor:
+    """What binding needs to know of a checkpoint tensor."""
+    shape: tuple
+    dtype: str           # F32 | F16 | BF16 | Q8_0 | Q4_0
+
+
+@dataclass
+class BoundParam:
+    name: str
+    index: int | None    # layer index for params declared name[count]
+    tensor: str | None   # checkpoint tensor name, or None for an alias
+    alias: tuple | None  # (param, index) this one shares storage with
+    shape: tuple
+    dtype: str           # the declared dtype (f32 | f16 | i32 | weight)
+    storage: str         # what the device holds: F32, F16, I32, Q8_0, Q4_0
+
+
+@dataclass
+class BoundState:
+    name: str
+    dtype: str
+    page: int | None
+    dims: tuple
+
+
+# -- expression evaluation ---------------------------------------------------------
+
+def _num(value, where):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LoomError(f"{where}: expected a number, got {_show(value)}")
+    return value
+
+
+def _show(value):
+    return repr(value) if not isinstance(value, Ref) else f"{value.kind} {value.name}"
+
+
+def _binary(op, a, b, where):
+    if op in ("eq", "ne"):
+        result = a == b and type(a) is type(b) or (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                                                   and not isinstance(a, bool) and not isinstance(b, bool) and a == b)
+        return result if op == "eq" else not result
+    if op in ("and", "or"):
+        return (_truth(a, where) and _truth(b, where)) if op == "and" else (_truth(a, where) or _truth(b, where))
+    if op == "add" and isinstance(a, str) and isinstance(b, str):
+        return a + b
+    a, b = _num(a, where), _num(b, where)
+    if op in ("lt", "le", "gt", "ge"):
+        return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[op]
+    both_int = isinstance(a, int) and isinstance(b, int)
+    if op in ("div", "idiv", "mod") and b == 0:
+        raise LoomError(f"{where}: division by zero")
+    if op == "add":
+        return a + b
+    if op == "sub":
+        return a - b
+    if op == "mul":
+        return a * b
+    if op == "div":
+        return a / b
+    if op == "idiv":
+        return a // b if both_int else float(math.floor(a / b))
+    if op == "mod":
+        return a % b
+    if op == "pow":
+        if both_int and b >= 0:
+            if abs(a) > 1 and b > 256:
+                raise LoomError(f"{where}: {a} ** {b} is too large")
+            return a ** b
+        return float(a) ** float(b)
+    raise LoomError(f"{where}: unknown operator {op}")
+
+
+def _truth(value, where):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value != 0
+    raise LoomError(f"{where}: expected a condition, got {_show(value)}")
+
+
+class Scope:
+    """Name resolution and builtins for one evaluation context."""
+
+    def __init__(self, names, builtins, where):
+        self.names = names
+        self.builtins = builtins
+        self.where = where
+
+    def lookup(self, name):
+        if name not in self.names:
+            raise LoomError(f"{self.where}: {name!r} has no value here")
+        return self.names[name]
+
+
+def step(stack, ins, scope):
+    """Apply one expression instruction to the stack."""
+    op = ins[0]
+    where = scope.where
+    if op in ("int", "float", "str", "bool"):
+        stack.append(ins[1])
+    elif op == "name":
+        stack.append(scope.lookup(ins[1]))
+    elif op == "neg":
+        stack.append(-_num(stack.pop(), where))
+    elif op == "not":
+        stack.append(not _truth(stack.pop(), where))
+    elif op == "select":
+        otherwise, then, cond = stack.pop(), stack.pop(), stack.pop()
+        stack.append(then if _truth(cond, where) else otherwise)
+    elif op == "index":
+        i, base = stack.pop(), stack.pop()
+        if not isinstance(base, Ref) or base.kind != "param" or base.index is not None:
+            raise LoomError(f"{where}: only a layered param can be indexed, not {_show(base)}")
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise LoomError(f"{where}: a layer index must be an integer")
+        stack.append(Ref("param", base.name, i))
+    elif op == "fn":
+        args = stack[len(stack) - ins[2]:]
+        del stack[len(stack) - ins[2]:]
+        stack.append(call_builtin(ins[1], args, scope))
+    else:
+        stack.append(_binary(op, *_pop2(stack), where))
+
+
+def _pop2(stack):
+    b, a = stack.pop(), stack.pop()
+    return a, b
+
+
+def evaluate(code, scope):
+    stack = []
+    for ins in code:
+        step(stack, ins, scope)
+    return stack[0]
+
+
+def call_builtin(name, args, scope):
+    where = scope.where
+    if name == "min":
+        return min(_num(args[0], where), _num(args[1], where))
+    if name == "max":
+        return max(_num(args[0], where), _num(args[1], where))
+    if name == "ceil":
+        a, b = _num(args[0], where), _num(args[1], where)
+        if not (isinstance(a, int) and isinstance(b, int)) or b <= 0:
+            raise LoomError(f"{where}: ceil(a, b) needs integers and b > 0")
+        return -(-a // b)
+    if name == "int":
+        value = _num(args[0], where)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LoomError(f"{where}: int() of a non-finite number")
+        return int(value)
+    if name == "float":
+        return float(_num(args[0], where))
+    if name == "sqrt":
+        value = _num(args[0], where)
+        if value < 0:
+            raise LoomError(f"{where}: sqrt of a negative number")
+        return math.sqrt(value)
+    fn = scope.builtins.get(name)
+    if fn is None:
+        raise LoomError(f"{where}: {name}() is not available here")
+    return fn(*args)
+
+
+# -- binding -------------------------------------------------------------------------
+
+class Binding:
+    def __init__(self, module, specs, params, states, tensors, options):
+        self.module = module
+        self.specs = specs            # name -> value
+        self.params = params          # (name, index) -> BoundParam
+        self.states = states          # name -> BoundState
+        self.tensors = tensors
+        self.options = options
+        self.layers = {p.name: None for p in module.params}
+        for (name, index) in params:
+            if index is not None:
+                self.layers[name] = max(self.layers[name] or 0, index + 1)
+
+    def storage(self, ref):
+        return self.params[(ref.name, ref.index)].storage
+
+    def param_shape(self, ref):
+        return self.params[(ref.name, ref.index)].shape
+
+    # -- planning ---------------------------------------------------------------
+    def plan(self, command, **geometry):
+        cmd = self.module.find("commands", command)
+        if cmd is None:
+            raise LoomError(f"module {self.module.name} has no command {command!r}")
+        plan = Plan(command, dict(geometry))
+        env = {}
+        for arg_name, arg_type in cmd.args:
+            if arg_type == "buf":
+                env[arg_name] = Ref("arg", arg_name)
+            else:
+                if arg_name not in geometry:
+                    raise LoomError(f"command {command}: argument {arg_name!r} was not given")
+                env[arg_name] = geometry[arg_name]
+        extra = set(geometry) - {a for a, _ in cmd.args}
+        if extra:
+            raise LoomError(f"command {command}: unknown arguments {sorted(extra)}")
+        self._run(cmd, env, plan, [0], 0)
+        return plan
+
+    def _globals(self):
+        names = dict(self.specs)
+        for p in self.module.params:
+            names[p.name] = Ref("param", p.name)
+        for s in self.module.states:
+            names[s.name] = Ref("state", s.name)
+        return names
+
+    def _builtins(self):
+        def dtype(ref):
+            if not isinstance(ref, Ref) or ref.kind != "param" or (ref.name, ref.index) not in self.params:
+                raise LoomError(f"dtype() needs a param, got {_show(ref)}")
+            return self.storage(ref)
+
+        def pages(ref):
+            if not isinstance(ref, Ref) or ref.kind != "state" or self.states[ref.name].page is None:
+                raise LoomError(f"pages() needs a paged state, got {_show(ref)}")
+            return self.options.get("pages", 0)
+
+        return {"dtype": dtype, "pages": pages, "option": lambda k, *d: _option(self.options, k, d)}
+
+    def _run(self, cmd, args, plan, steps, depth):
+        if depth > MAX_DEPTH:
+            raise LoomError(f"command {cmd.name}: calls nest deeper than {MAX_DEPTH}")
+        names = self._globals()
+        names.update(args)
+        scope = Scope(names, self._builtins(), f"command {cmd.name}")
+        body = cmd.body
+        matching = _match_blocks(body)
+        stack, loops, pc = [], [], 0
+        while pc < len(body):
+            steps[0] += 1
+            if steps[0] > MAX_STEPS:
+                raise LoomError(f"command {cmd.name}: more than {MAX_STEPS} steps (a runaway loop?)")
+            ins = body[pc]
+            op = ins[0]
+            if op == "let":
+                names[ins[1]] = stack.pop()
+            elif op == "scratch":
+                dims = tuple(_dim(v, scope.where) for v in stack[len(stack) - ins[3]:])
+                del stack[len(stack) - ins[3]:]
+                key = ins[1]
+                if key in plan.scratch and plan.scratch[key] != (ins[2], dims):
+                    key = f"{ins[1]}#{len(plan.scratch)}"  # same name, new shape (e.g. in a nested call)
+                plan.scratch[key] = (ins[2], dims)
+                names[ins[1]] = Ref("scratch", key)
+            elif op == "for":
+                end, start = stack.pop(), stack.pop()
+                start, end = _int(start, scope.where), _int(end, scope.where)
+                if start >= end:
+                    pc = matching[pc]
+                else:
+                    names[ins[1]] = start
+                    loops.append((pc, end))
+            elif op == "end":
+                opener = matching[pc]
+                if body[opener][0] == "for":
+                    head, end = loops[-1]
+                    value = names[body[head][1]] + 1
+                    if value < end:
+                        names[body[head][1]] = value
+                        pc = head
+                    else:
+                        loops.pop()
+            elif op == "if":
+                if not _truth(stack.pop(), scope.where):
+                    pc = matching[pc]  # to its else (then past it) or its end
+            elif op == "else":
+                pc = matching[pc]      # the then-branch ran: skip to end
+            elif op == "launch":
+                values = stack[len(stack) - ins[2]:]
+                del stack[len(stack) - ins[2]:]
+                self._launch(ins[1], values, plan)
+            elif op == "invoke":
+                values = stack[len(stack) - ins[2]:]
+                del stack[len(stack) - ins[2]:]
+                callee = self.module.find("commands", ins[1])
+                callee_args = {}
+                for (arg_name, arg_type), value in zip(callee.args, values):
+                    _check_arg(arg_type, value, f"command {callee.name} argument {arg_name}")
+                    callee_args[arg_name] = value
+                self._run(callee, callee_args, plan, steps, depth + 1)
+            else:
+                step(stack, ins, scope)
+            pc += 1
+
+    def _launch(self, name, values, plan):
+        kernel = self.module.find("kernels", name)
+        where = f"kernel {name}"
+        if len(plan.launches) >= MAX_LAUNCHES:
+            raise LoomError(f"{where}: more than {MAX_LAUNCHES} launches in one plan")
+        names = dict(self.specs)
+        for arg, value in zip(kernel.args, values):
+            _check_arg("buf" if arg.type == "tensor" else arg.type, value, f"{where} argument {arg.name}")
+            names[arg.name] = value
+            if arg.type == "tensor":
+                shape = self._shape_of(value, plan, where)
+                if len(shape) != len(arg.binds):
+                    raise LoomError(f"{where}: argument {arg.name} has {len(shape)} dimensions, "
+                                    f"the kernel binds {len(arg.binds)}")
+                names.update(zip(arg.binds, shape))
+        scope = Scope(names, self._builtins(), where)
+        defines = {}
+        for define, code in kernel.defines:
+            value = evaluate(code, scope)
+            if define is None:
+                if not isinstance(value, str) or not value.isidentifier():
+                    raise LoomError(f"{where}: a flag must evaluate to a macro name, got {value!r}")
+                defines[value] = None
+            else:
+                if isinstance(value, bool):
+                    value = int(value)
+                if isinstance(value, Ref) or (isinstance(value, str) and not value.isidentifier()):
+                    raise LoomError(f"{where}: define {define} must be a number or a name, got {_show(value)}")
+                defines[define] = value
+        grid = tuple(_dim(evaluate(c, scope), where) for c in kernel.grid)
+        local = tuple(_dim(evaluate(c, scope), where) for c in kernel.local) if kernel.local else None
+        if local is not None and any(g % l for g, l in zip(grid, local)):
+            raise LoomError(f"{where}: global size {grid} is not a multiple of the local size {local}")
+        plan.launches.append(Launch(name, defines, grid, local, list(values), [a.type for a in kernel.args]))
+
+    def _shape_of(self, ref, plan, where):
+        if ref.kind == "param":
+            if (ref.name, ref.index) not in self.params:
+                raise LoomError(f"{where}: param {ref.name}" + (f"[{ref.index}]" if ref.index is not None else "")
+                                + " does not exist" + (" (it has layers: index it)" if self.layers[ref.name] else ""))
+            return self.param_shape(ref)
+        if ref.kind == "scratch":
+            return plan.scratch[ref.name][1]
+        raise LoomError(f"{where}: a tensor argument must be a param or scratch buffer, not {ref.kind} {ref.name}")
+
+
+def _check_arg(arg_type, value, where):
+    if arg_type == "buf":
+        if not isinstance(value, Ref):
+            raise LoomError(f"{where}: expected a buffer, got {_show(value)}")
+    elif arg_type == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or not -2**31 <= value < 2**31:
+            raise LoomError(f"{where}: expected an int32, got {_show(value)}")
+    elif arg_type == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LoomError(f"{where}: expected a number, got {_show(value)}")
+
+
+def _int(value, where):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LoomError(f"{where}: expected an integer, got {_show(value)}")
+    return value
+
+
+def _dim(value, where):
+    value = _int(value, where)
+    if value < 1 or value > 2**31 - 1:
+        raise LoomError(f"{where}: a size must be from 1 to 2^31-1, got {value}")
+    return value
+
+
+def _option(options, key, default):
+    if key in options:
+        return options[key]
+    if default:
+        return default[0]
+    raise LoomError(f"option {key!r} is required by the module and was not given")
+
+
+def _match_blocks(body):
+    """Jump targets: for/if -> its else or end; else -> end; end -> its for/if."""
+    matching, open_blocks = {}, []
+    for pc, ins in enumerate(body):
+        if ins[0] in ("for", "if"):
+            open_blocks.append([pc, None])
+        elif ins[0] == "else":
+            open_blocks[-1][1] = pc
+            matching[open_blocks[-1][0]] = pc
+        elif ins[0] == "end":
+            opener, else_pc = open_blocks.pop()
+            matching[opener if else_pc is None else else_pc] = pc
+            matching[pc] = opener
+    return matching
+
+
+def bind(module, metadata, tensors, options=None, fmt=None):
+    """Evaluate specs, resolve params to tensors and size states.
+
+    metadata: checkpoint key/values; tensors: name -> Tensor; options: the
+    model document's options (plus deployment sizing such as "pages").
+    """
+    options = dict(options or {})
+    specs = {}
+
+    def meta(key, *default):
+        if not isinstance(key, str):
+            raise LoomError("meta() needs a string key")
+        if key in metadata:
+            value = metadata[key]
+            if isinstance(value, (bool, int, float, str)):
+                return value
+            if isinstance(value, list):
+                return len(value)  # arrays (vocabularies) bind as their length
+            raise LoomError(f"metadata {key!r} has an unsupported type")
+        if default:
+            return default[0]
+        raise LoomError(f"the checkpoint has no metadata {key!r}")
+
+    def shape(name, axis):
+        if name not in tensors:
+            raise LoomError(f"the checkpoint has no tensor {name!r}")
+        dims = tensors[name].shape
+        if not isinstance(axis, int) or not -len(dims) <= axis < len(dims):
+            raise LoomError(f"tensor {name!r} has no axis {axis}")
+        return dims[axis]
+
+    builtins = {"meta": meta, "shape": shape, "has": lambda name: name in tensors,
+                "option": lambda k, *d: _option(options, k, d)}
+    for spec in module.specs:
+        specs[spec.name] = evaluate(spec.code, Scope(dict(specs, format=fmt or ""), builtins, f"spec {spec.name}"))
+    scope_names = dict(specs)
+    params = {}
+    for p in module.params:
+        scope = Scope(scope_names, builtins, f"param {p.name}")
+        count = None if p.count is None else _int(evaluate(p.count, scope), scope.where)
+        if count is not None and not 0 <= count <= 4096:
+            raise LoomError(f"param {p.name}: layer count {count} out of range")
+        dims = tuple(_dim(evaluate(d, scope), scope.where) for d in p.dims)
+        for index in range(count) if count is not None else [None]:
+            params[(p.name, index)] = _resolve_param(p, index, dims, tensors, params)
+    states = {}
+    for s in module.states:
+        scope = Scope(scope_names, builtins, f"state {s.name}")
+        page = None if s.page is None else _dim(evaluate(s.page, scope), scope.where)
+        states[s.name] = BoundState(s.name, s.dtype, page, tuple(_dim(evaluate(d, scope), scope.where) for d in s.dims))
+    return Binding(module, specs, params, states, tensors, options)
+
+
+STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
+
+
+def _resolve_param(p, index, dims, tensors, params):
+    where = f"param {p.name}" + (f"[{index}]" if index is not None else "")
+    tried = []
+    for src in p.sources:
+        if src.startswith("="):
+            target = (src[1:], index if (src[1:], index) in params else None)
+            if target in params:
+                other = params[target]
+                if other.shape != dims:
+                    raise LoomError(f"{where}: alias {src[1:]} has shape {other.shape}, expected {dims}")
+                return BoundParam(p.name, index, None, target, dims, p.dtype, other.storage)
+            tried.append(src[1:])
+            continue
+        name = src.replace("{i}", str(index)) if index is not None else src
+        tried.append(name)
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        if tuple(tensor.shape) != dims:
+            raise LoomError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the module expects {dims}")
+        if tensor.dtype not in STORAGE:
+            raise LoomError(f"{where}: tensor {name!r} has unsupported type {tensor.dtype}")
+        storage = {"f32": "F32", "f16": "F16", "i32": "I32"}.get(p.dtype) or STORAGE[tensor.dtype]
+        if p.dtype == "i32" and tensor.dtype not in ("F32",):
+            raise LoomError(f"{where}: i32 params need integer-valued F32 tensors")
+        return BoundParam(p.name, index, name, None, dims, p.dtype, storage)
+    raise LoomError(f"{where}: none of {tried} is in the checkpoint")

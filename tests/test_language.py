@@ -1,0 +1,279 @@
+"""The Loom language: parsing, printing, .loombc round trips, the untrusted reader, the VM."""
+
+import glob
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from loom import bytecode, language, vm
+from loom.language import LoomError
+
+SAMPLE = '''
+# a sample exercising every declaration
+module sample kind embedding
+
+spec D = shape("embed.weight", 1)
+spec V = shape("embed.weight", 0)
+spec E = meta("sample.out_dim", D)
+spec L = meta("sample.layers", 2)
+spec EPS = 1e-12
+spec NEOX = format == "safetensors" or meta("general.architecture", "") == "qwen2"
+
+param embed : weight [V, D] = "embed.weight"
+param proj[L] : weight [E, D] = "layers.{i}.proj.weight" | "blk.{i}.proj"
+param bias : f32 [E] = "proj.bias"
+param head : weight [V, D] = "head.weight" | embed
+
+state kv : f32 paged(16) [L, 2, D]
+
+kernel gather(ids: buf, table: tensor[R, C], out: buf, T: int)
+    from "gather.cl"
+    defines { D = C, ROWS = R, flag "TABLE_" + dtype(table) }
+    grid [T * 8] local [8]
+
+kernel matmul(x: buf, w: tensor[N, K], y: buf, T: int)
+    from "matmul.cl"
+    defines { N = N, K = K, flag "WEIGHT_" + dtype(w) }
+    grid [ceil(N, 4) * 8, T] local [8, 1]
+
+kernel scale(x: buf, n: int, s: float)
+    source """
+__kernel void scale(__global float* x, int n, float s) {
+    int i = get_global_id(0);
+    if (i < n) x[i] *= s;   // a "quoted" word and a \\ backslash stay as written
+}
+"""
+    grid [ceil(n, 64) * 64]
+
+command embed(ids: buf, out: buf, T: int) {
+    scratch x : f32 [T, D]
+    gather(ids, embed, x, T)
+    for l in 0..L {
+        scratch y : f32 [T, E]
+        matmul(x, proj[l], y, T)
+        if l == 0 and T > 1 {
+            scale(y, T * E, 0.5)
+        } else {
+            scale(y, T * E, -2.0)
+        }
+    }
+    let n = -T * D + 2 ** 3 ** 2 - (1 - 2) - -3
+    finish(x, n > 0 ? n : 1)
+}
+
+command finish(x: buf, n: int) {
+    scale(x, n, 2)
+}
+
+policy {"pooling": "mean", "nested": {"a": [1, 2.5, "brace } inside"]}}
+'''
+
+
+def sample():
+    return language.parse(SAMPLE, "sample.loom")
+
+
+def reference_sources():
+    return sorted(glob.glob(os.path.join(ROOT, "models", "*", "*.loom")))
+
+
+@pytest.mark.parametrize("text", [SAMPLE] + [open(p).read() for p in reference_sources()],
+                         ids=["sample"] + [os.path.relpath(p, ROOT) for p in reference_sources()])
+def test_text_module_binary_round_trips(text):
+    module = language.parse(text)
+    printed = language.format_module(module)
+    assert language.parse(printed) == module                      # module -> text -> module
+    assert language.format_module(language.parse(printed)) == printed  # canonical text is a fixed point
+    data = bytecode.write(module)
+    assert data.startswith(bytecode.MAGIC)
+    assert bytecode.read(data) == module                          # module -> binary -> module
+    assert bytecode.write(bytecode.read(data)) == data            # and the bytes are stable
+
+
+def test_inline_source_survives_verbatim():
+    kernel = sample().find("kernels", "scale")
+    assert 'a "quoted" word and a \\ backslash' in kernel.source  # one backslash, kept raw
+
+
+BAD_SOURCES = [
+    ("modul x", 1, 1, "expected 'module'"),
+    ("module x\nspec a = 1 +", 2, 13, "expected an expression"),
+    ("module x\nspec a = b", None, None, "unknown name 'b'"),
+    ("module x\nspec a = 1\nspec a = 2", 3, 1, "declared twice"),
+    ("module x kind chat", 1, 15, "unknown kind"),
+    ("module x\nspec a = nope(1)", 2, 10, "unknown function"),
+    ("module x\nspec a = ceil(1)", 2, 10, "takes 2 arguments"),
+    ("module x\nparam p : f64 [1] = \"t\"", 2, 11, "expected a dtype"),
+    ("module x\ncommand c(a: buf) { missing(a) }", None, None, "neither a kernel nor a command"),
+    ("module x\ncommand c(a: buf) { let }", 2, 25, "expected a name"),
+    ("module x\nkernel k(a: buf) from \"../evil.cl\" grid [1]", None, None, "plain NAME.cl"),
+    ("module x\nkernel k(a: buf) from \"k.cl\" grid [1] local [1, 1]", None, None, "local the same count"),
+    ("module x\npolicy {\"a\": 1, \"a\": 2}", 2, 8, "not strict JSON"),
+    ("module x\nspec a = 1 $", 2, 12, "unexpected character"),
+]
+
+
+@pytest.mark.parametrize("text,line,col,message", BAD_SOURCES, ids=[b[3] for b in BAD_SOURCES])
+def test_diagnostics_point_at_the_problem(text, line, col, message):
+    with pytest.raises(LoomError) as info:
+        language.parse(text, "bad.loom")
+    assert message in str(info.value)
+    if line is not None:
+        assert (info.value.line, info.value.col) == (line, col)
+
+
+# -- the untrusted reader ----------------------------------------------------------
+
+def test_reader_rejects_structural_damage():
+    data = bytecode.write(sample())
+    cases = {
+        "bad magic": b"XXXXXXXX" + data[8:],
+        "version": data[:8] + struct.pack("<H", 99) + data[10:],
+        "huge section count": data[:10] + struct.pack("<H", 60000) + data[12:],
+        "truncated": data[:len(data) // 2],
+        "empty": b"",
+    }
+    for name, bad in cases.items():
+        with pytest.raises(LoomError):
+            bytecode.read(bad)
+    # A section pointing past the end of the file.
+    table = bytearray(data)
+    struct.pack_into("<I", table, 12 + 4, len(data) + 10)
+    with pytest.raises(LoomError, match="outside the file"):
+        bytecode.read(bytes(table))
+
+
+def test_reader_rejects_lying_counts_without_allocating():
+    data = bytearray(bytecode.write(sample()))
+    n = struct.unpack_from("<H", data, 10)[0]
+    for i in range(n):
+        sid, offset, _ = struct.unpack_from("<III", data, 12 + 12 * i)
+        bad = bytearray(data)
+        struct.pack_into("<I", bad, offset, 0xFFFFFFF0)  # every section starts with a count or index
+        with pytest.raises(LoomError):
+            bytecode.read(bytes(bad))
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+VALID = bytecode.write(language.parse(SAMPLE))
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(["set", "insert", "delete", "truncate"]),
+                          st.integers(0, len(VALID)), st.binary(min_size=1, max_size=4)), min_size=1, max_size=5))
+def test_mutated_modules_never_crash_the_reader(edits):
+    data = bytearray(VALID)
+    for op, at, payload in edits:
+        at = min(at, len(data))
+        if op == "set" and at < len(data):
+            data[at] = payload[0]
+        elif op == "insert":
+            data[at:at] = payload
+        elif op == "delete":
+            del data[at:at + len(payload)]
+        elif op == "truncate":
+            del data[at:]
+    try:
+        module = bytecode.read(bytes(data))
+    except LoomError:
+        return
+    # Whatever the reader accepts is a well-formed module: it prints and re-reads identically.
+    assert bytecode.read(bytecode.write(module)) == module
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_garbage_is_rejected(data):
+    with pytest.raises(LoomError):
+        bytecode.read(bytecode.MAGIC + data)
+
+
+# -- the VM ------------------------------------------------------------------------
+
+def bound(layers=2, fmt="gguf", **options):
+    tensors = {"embed.weight": vm.Tensor((100, 32), "Q8_0"), "proj.bias": vm.Tensor((16,), "F32")}
+    for i in range(layers):
+        tensors[f"blk.{i}.proj"] = vm.Tensor((16, 32), "Q4_0")
+    metadata = {"sample.out_dim": 16, "sample.layers": layers, "general.architecture": "qwen2"}
+    return vm.bind(sample(), metadata, tensors, dict(options, pages=8), fmt)
+
+
+def test_bind_evaluates_specs_and_resolves_params():
+    b = bound()
+    assert (b.specs["D"], b.specs["V"], b.specs["E"], b.specs["L"], b.specs["NEOX"]) == (32, 100, 16, 2, True)
+    assert b.params[("proj", 1)].tensor == "blk.1.proj" and b.params[("proj", 1)].storage == "Q4_0"
+    head = b.params[("head", None)]
+    assert head.tensor is None and head.alias == ("embed", None) and head.storage == "Q8_0"  # tied head
+    assert b.states["kv"].page == 16 and b.states["kv"].dims == (2, 2, 32)
+
+
+def test_bind_errors_name_the_param():
+    with pytest.raises(LoomError, match=r"param proj\[2\]: none of \['layers.2.proj.weight', 'blk.2.proj'\]"):
+        vm.bind(sample(), {"sample.out_dim": 16, "sample.layers": 3},
+                {"embed.weight": vm.Tensor((100, 32), "F32"), "proj.bias": vm.Tensor((16,), "F32"),
+                 **{f"blk.{i}.proj": vm.Tensor((16, 32), "F32") for i in range(2)}})
+    with pytest.raises(LoomError, match=r"has shape \(16, 33\), the module expects \(16, 32\)"):
+        vm.bind(sample(), {"sample.out_dim": 16},
+                {"embed.weight": vm.Tensor((100, 32), "F32"), "proj.bias": vm.Tensor((16,), "F32"),
+                 "blk.0.proj": vm.Tensor((16, 33), "F32"), "blk.1.proj": vm.Tensor((16, 32), "F32")})
+
+
+def test_plan_unrolls_loops_branches_and_calls():
+    plan = bound().plan("embed", T=3)
+    names = [launch.kernel for launch in plan.launches]
+    assert names == ["gather", "matmul", "scale", "matmul", "scale", "scale"]
+    gather, mm0, s0, mm1, s1, fin = plan.launches
+    assert gather.defines == {"D": 32, "ROWS": 100, "TABLE_Q8_0": None}
+    assert gather.grid == (24,) and gather.local == (8,)
+    assert mm0.defines == {"N": 16, "K": 32, "WEIGHT_Q4_0": None} and mm0.grid == (32, 3)
+    assert mm0.args[1] == vm.Ref("param", "proj", 0) and mm1.args[1] == vm.Ref("param", "proj", 1)
+    assert s0.args[1:] == [48, 0.5] and s1.args[1:] == [48, -2.0]   # l == 0 and T > 1, then the else branch
+    n = -3 * 32 + 2 ** 9 + 1 + 3
+    assert fin.args[1:] == [n, 2] and fin.grid == (((n + 63) // 64) * 64,)
+    assert plan.scratch == {"x": ("f32", (3, 32)), "y": ("f32", (3, 16))}
+    assert bound().plan("embed", T=1).launches[2].args[2] == -2.0  # T == 1 takes the else branch
+
+
+def test_plan_errors():
+    b = bound()
+    with pytest.raises(LoomError, match="argument 'T' was not given"):
+        b.plan("embed")
+    with pytest.raises(LoomError, match="unknown arguments"):
+        b.plan("embed", T=1, U=2)
+    with pytest.raises(LoomError, match="a size must be from 1"):
+        b.plan("embed", T=0)
+    with pytest.raises(LoomError, match="no command"):
+        b.plan("nothing")
+
+
+def test_runaway_loops_are_bounded():
+    module = language.parse('module x\nkernel k(n: int) source """__kernel void k(int n) {}""" grid [1]\n'
+                            "command c(n: int) { for i in 0..n { for j in 0..n { let z = i } } }")
+    with pytest.raises(LoomError, match="runaway"):
+        vm.bind(module, {}, {}).plan("c", n=100_000)
+
+
+# -- the command line --------------------------------------------------------------
+
+def test_command_line(tmp_path):
+    src = tmp_path / "sample.loom"
+    src.write_text(SAMPLE)
+    out = tmp_path / "sample.loombc"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "loom.language", *a], cwd=ROOT,  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    assert run("compile", str(src), "-o", str(out)).returncode == 0
+    assert bytecode.read(out.read_bytes()) == sample()
+    checked = run("check", str(out))
+    assert checked.returncode == 0 and "5 params" not in checked.stdout and "3 kernels" in checked.stdout
+    listing = run("disassemble", str(out)).stdout
+    assert 'launch "matmul" 4' in listing and "grid [ceil(N, 4) * 8, T] local [8, 1]" in listing
+    assert language.parse(run("format", str(out)).stdout) == sample()
+    (tmp_path / "bad.loom").write_text("module x\nspec a = 1 +\n")
+    bad = run("check", str(tmp_path / "bad.loom"))
+    assert bad.returncode == 1 and "bad.loom:2:" in bad.stderr
