@@ -140,6 +140,7 @@ def _kernel(w, k):
         out += [w.opt(name), w.code(code)]
     out += [u8(len(k.grid))] + [w.code(g) for g in k.grid]
     out += [u8(1)] + [w.code(g) for g in k.local] if k.local is not None else [u8(0)]
+    out += [u8(1), u8(len(k.call))] + [w.code(a) for a in k.call] if k.call is not None else [u8(0)]
     return b"".join(out)
 
 
@@ -351,8 +352,9 @@ def read(data, source=None):
         defines = [(c.opt(), c.code()) for _ in range(c.u16())]
         grid = [c.code() for _ in range(c.u8())]
         local = [c.code() for _ in range(len(grid))] if c.flag() else None
+        call = [c.code() for _ in range(c.u8())] if c.flag() else None
         module.kernels.append(Kernel(name, args, text if is_library else None, None if is_library else text,
-                                     entry, defines, grid, local))
+                                     entry, defines, grid, local, call))
     c.done()
     c = cursor(COMMANDS)
     for _ in range(c.count(9, "command")):
@@ -415,6 +417,8 @@ def disassemble(module):
                    + ", ".join(a.name + ":" + a.type + (f"[{','.join(a.binds)}]" if a.binds else "") for a in k.args))
         for name, code in k.defines:
             out.append(f"    -D {name or '<flag>'} = {expr_text(code)}")
+        if k.call is not None:
+            out.append(f"    args [{', '.join(expr_text(a) for a in k.call)}]")
         out.append(f"    grid [{', '.join(expr_text(g) for g in k.grid)}]"
                    + (f" local [{', '.join(expr_text(g) for g in k.local)}]" if k.local else ""))
     out.append(f"\ncommands ({len(module.commands)})")

@@ -116,6 +116,7 @@ class Kernel:
     defines: list               # (name, code) pairs; name None = a flag whose name is the code's string value
     grid: list
     local: list | None
+    call: list | None = None    # code per OpenCL argument when they differ from the declared ones
 
 
 @dataclass
@@ -154,7 +155,7 @@ TOKEN = re.compile(r"""
 
 KEYWORDS = {"module", "kind", "spec", "param", "state", "kernel", "command", "policy", "let", "scratch",
             "for", "in", "if", "else", "and", "or", "not", "from", "source", "entry", "defines", "grid",
-            "local", "paged", "flag", "true", "false"}
+            "local", "paged", "flag", "true", "false", "args"}
 
 
 @dataclass
@@ -364,10 +365,11 @@ class Parser:
                     self.expect("=")
                     defines.append((define, self.expr()))
             self.expect("}")
+        call = self.shape() if self.accept("args") else None
         self.expect("grid")
         grid = self.shape()
         local = self.shape() if self.accept("local") else None
-        self.declare(module, "kernels", Kernel(name, args, library, source, entry, defines, grid, local), tok)
+        self.declare(module, "kernels", Kernel(name, args, library, source, entry, defines, grid, local, call), tok)
 
     def command(self, module, tok):
         name = self.name()
@@ -597,8 +599,10 @@ def check(module, source=None):
             _check_expr(code, names, f"kernel {k.name}", fail)
         if not 1 <= len(k.grid) <= 3 or (k.local is not None and len(k.local) != len(k.grid)):
             fail(f"kernel {k.name}: grid needs 1 to 3 dimensions and local the same count")
-        for code in k.grid + (k.local or []):
+        for code in k.grid + (k.local or []) + (k.call or []):
             _check_expr(code, names, f"kernel {k.name}", fail)
+        if k.call is not None and not k.call:
+            fail(f"kernel {k.name}: args needs at least one argument")
         if (k.library is None) == (k.source is None):
             fail(f"kernel {k.name}: needs exactly one of a library file or inline source")
         if k.source is not None and ('"""' in k.source or k.source.endswith('"')):
@@ -809,6 +813,8 @@ def format_module(module):
         if k.defines:
             defines = ", ".join(f"flag {expr_text(c)}" if d is None else f"{d} = {expr_text(c)}" for d, c in k.defines)
             out.append(f"    defines {{ {defines} }}")
+        if k.call is not None:
+            out.append(f"    args {_dims_text(k.call)}")
         out.append(f"    grid {_dims_text(k.grid)}" + (f" local {_dims_text(k.local)}" if k.local else ""))
         out.append("")
     for c in module.commands:

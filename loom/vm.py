@@ -40,8 +40,8 @@ class Launch:
     defines: dict        # specialization: macro -> value (flags map to None)
     grid: tuple
     local: tuple | None
-    args: list           # Ref | int | float, in the kernel's argument order
-    arg_types: list      # "buf" | "int" | "float" | "tensor"
+    args: list           # Ref | int | float, in the OpenCL kernel's argument order
+    arg_types: list      # "buf" | "int" | "float"
 
 
 @dataclass
@@ -382,11 +382,20 @@ class Binding:
                 if isinstance(value, Ref) or (isinstance(value, str) and not value.isidentifier()):
                     raise LoomError(f"{where}: define {define} must be a number or a name, got {_show(value)}")
                 defines[define] = value
+        if kernel.call is None:
+            args, types = list(values), ["buf" if a.type == "tensor" else a.type for a in kernel.args]
+        else:
+            args = [evaluate(c, scope) for c in kernel.call]
+            types = []
+            for n, value in enumerate(args):
+                kind = "buf" if isinstance(value, Ref) else "float" if isinstance(value, float) else "int"
+                _check_arg(kind, value, f"{where} OpenCL argument {n}")
+                types.append(kind)
         grid = tuple(_dim(evaluate(c, scope), where) for c in kernel.grid)
         local = tuple(_dim(evaluate(c, scope), where) for c in kernel.local) if kernel.local else None
         if local is not None and any(g % l for g, l in zip(grid, local)):
             raise LoomError(f"{where}: global size {grid} is not a multiple of the local size {local}")
-        plan.launches.append(Launch(name, defines, grid, local, list(values), [a.type for a in kernel.args]))
+        plan.launches.append(Launch(name, defines, grid, local, args, types))
 
     def _shape_of(self, ref, plan, where):
         if ref.kind == "param":

@@ -40,6 +40,7 @@ kernel gather(ids: buf, table: tensor[R, C], out: buf, T: int)
 kernel matmul(x: buf, w: tensor[N, K], y: buf, T: int)
     from "matmul.cl"
     defines { N = N, K = K, flag "WEIGHT_" + dtype(w) }
+    args [x, 0, K, w, y, y, 0, N, T, 1.5]
     grid [ceil(N, 4) * 8, T] local [8, 1]
 
 kernel scale(x: buf, n: int, s: float)
@@ -232,7 +233,10 @@ def test_plan_unrolls_loops_branches_and_calls():
     assert gather.defines == {"D": 32, "ROWS": 100, "TABLE_Q8_0": None}
     assert gather.grid == (24,) and gather.local == (8,)
     assert mm0.defines == {"N": 16, "K": 32, "WEIGHT_Q4_0": None} and mm0.grid == (32, 3)
-    assert mm0.args[1] == vm.Ref("param", "proj", 0) and mm1.args[1] == vm.Ref("param", "proj", 1)
+    assert mm0.args == [vm.Ref("scratch", "x"), 0, 32, vm.Ref("param", "proj", 0), vm.Ref("scratch", "y"),
+                        vm.Ref("scratch", "y"), 0, 16, 3, 1.5]  # the OpenCL argument list from args [...]
+    assert mm0.arg_types == ["buf", "int", "int", "buf", "buf", "buf", "int", "int", "int", "float"]
+    assert mm1.args[3] == vm.Ref("param", "proj", 1)
     assert s0.args[1:] == [48, 0.5] and s1.args[1:] == [48, -2.0]   # l == 0 and T > 1, then the else branch
     n = -3 * 32 + 2 ** 9 + 1 + 3
     assert fin.args[1:] == [n, 2] and fin.grid == (((n + 63) // 64) * 64,)
