@@ -1,0 +1,448 @@
+"""OpenCL device: selection, the context and its one queue, and the memory pool.
+
+    device = Device("cpu")                       # or None: first GPU, else first CPU
+    buf = device.pool.alloc(a.nbytes, owner="scout", kind="params", host=a)
+    device.upload(buf, a); out = device.download(buf, np.float32, a.size)
+    pending = device.download_async(buf, np.int32, 4)   # poll pending.done() from the loop
+    buf.release()
+
+Selection (``--device``): None picks the first GPU of any platform, else the
+first CPU (PoCL). A selector is "cpu", "gpu" or "accelerator" (the first of that
+type), a flat index "N" into :func:`list_devices`, "P:D" (platform index, device
+index within it) or a case-insensitive substring of the device name. Anything
+that matches nothing raises ValueError listing the devices that exist.
+
+Memory: every device buffer of the server comes from ``device.pool`` and is
+accounted by owner (a deployment name, "server", ...) and kind:
+
+* ``params``    model weights
+* ``state``     retained state: KV pages, sessions, checkpoints
+* ``workspace`` per-step scratch
+* ``staging``   host transfer buffers
+
+The pool is bounded by ``memory_bytes`` (``--memory_bytes``). Its default is
+``DEFAULT_MEMORY_FRACTION`` (80%) of the device's global memory: the rest is
+headroom for what the driver allocates outside our buffers (programs, queues,
+private and local memory) and, on PoCL, for the host process sharing that RAM.
+An allocation that does not fit first drops idle cached workspace, then asks
+the evictor (the residency manager) to free memory, then raises
+:class:`OutOfDeviceMemory`, which the server answers with 503.
+
+Workspace reuse: a released workspace buffer is not freed but kept in a free
+list keyed by (owner, capacity), and the owner's next workspace alloc of the
+same size bucket takes it back, so per-step scratch is not recreated every
+step. Workspace capacities are rounded up to a multiple of a quarter of their
+power of two, and of 256 bytes (so at most 25% over any request above 1 KiB,
+and four size buckets per octave). Cached buffers stay counted as
+their owner's "workspace" until reused or trimmed: by memory pressure, by
+``trim()`` (``POST /v1/devices/trim``), or by ``trim(0, owner=name)`` when an
+owner retires. Reusing a buffer right after its release is safe because the
+device has a single in-order queue: later commands run after earlier ones.
+
+The pool is thread-safe: preparation threads allocate params while the loop
+allocates workspace. Driver calls (buffer creation, host copies) run outside
+the lock against a reservation, so accounting is exact at every instant.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyopencl as cl
+
+__all__ = ["KINDS", "DEFAULT_MEMORY_FRACTION", "OutOfDeviceMemory", "DeviceBuffer", "MemoryPool",
+           "Transfer", "Device", "list_devices", "select_device"]
+
+KINDS = ("params", "state", "workspace", "staging")
+DEFAULT_MEMORY_FRACTION = 0.8
+WORKSPACE_CACHE_BUFFERS = 256   # bound on idle workspace buffers kept for reuse
+
+
+# -- discovery and selection -----------------------------------------------
+
+def _device_type(dev) -> str:
+    for flag, name in ((cl.device_type.GPU, "gpu"), (cl.device_type.CPU, "cpu"),
+                       (cl.device_type.ACCELERATOR, "accelerator")):
+        if dev.type & flag:
+            return name
+    return "other"
+
+
+def _enumerate() -> list:
+    """[(cl.Device, info dict)] for every device of every platform, in flat order."""
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:  # no ICD installed at all
+        return []
+    found = []
+    for p, platform in enumerate(platforms):
+        try:
+            devices = platform.get_devices()
+        except cl.Error:  # a platform with no usable device
+            continue
+        for d, dev in enumerate(devices):
+            extensions = sorted(dev.extensions.split())
+            found.append((dev, {
+                "index": len(found),
+                "platform": p,
+                "platform_name": platform.name.strip(),
+                "device": d,
+                "name": dev.name.strip(),
+                "type": _device_type(dev),
+                "vendor": dev.vendor.strip(),
+                "driver_version": dev.driver_version.strip(),
+                "opencl_version": dev.version.strip(),
+                "global_memory_bytes": int(dev.global_mem_size),
+                "max_allocation_bytes": int(dev.max_mem_alloc_size),
+                "compute_units": int(dev.max_compute_units),
+                "fp16": "cl_khr_fp16" in extensions,
+                "fp64": "cl_khr_fp64" in extensions,
+                "extensions": extensions,
+            }))
+    return found
+
+
+def list_devices() -> list:
+    """Every OpenCL device as a JSON-ready dict (see ``_enumerate`` for the fields)."""
+    return [info for _, info in _enumerate()]
+
+
+def select_device(devices: list, selector: str | None) -> int:
+    """The flat index in ``devices`` (list_devices() rows) that ``selector`` names."""
+    def first(kind):
+        return next((d["index"] for d in devices if d["type"] == kind), None)
+
+    if selector is None:
+        found = first("gpu")
+        if found is None:
+            found = first("cpu")
+    elif not isinstance(selector, str) or not selector:
+        raise ValueError(f"device selector must be a non-empty string, got {selector!r}")
+    elif selector.lower() in ("cpu", "gpu", "accelerator"):
+        found = first(selector.lower())
+    elif selector.isdecimal():
+        found = int(selector) if int(selector) < len(devices) else None
+    elif selector.count(":") == 1 and all(part.isdecimal() for part in selector.split(":")):
+        p, d = map(int, selector.split(":"))
+        found = next((x["index"] for x in devices if x["platform"] == p and x["device"] == d), None)
+    else:
+        found = next((d["index"] for d in devices if selector.lower() in d["name"].lower()), None)
+    if found is None:
+        listing = "; ".join(f'{d["index"]} ({d["platform"]}:{d["device"]}) {d["name"]} [{d["type"]}]'
+                            for d in devices) or "none"
+        wanted = "a GPU or CPU" if selector is None else repr(selector)
+        raise ValueError(f"no OpenCL device matches {wanted}; devices: {listing}")
+    return found
+
+
+# -- memory accounting -----------------------------------------------------
+
+class OutOfDeviceMemory(Exception):
+    """An allocation the pool (or the driver) cannot satisfy; the server answers 503."""
+
+    def __init__(self, requested: int, available: int, limit: int, owner: str, kind: str, reason: str = ""):
+        self.requested, self.available, self.limit = requested, available, limit
+        self.owner, self.kind = owner, kind
+        message = (f"device memory exhausted: {owner} asked for {requested} bytes of {kind}, "
+                   f"{available} of {limit} available")
+        super().__init__(f"{message} ({reason})" if reason else message)
+
+
+def _bucket(n: int) -> int:
+    """Workspace capacity for a request of n > 0 bytes (see the module docstring)."""
+    step = 1 << max(8, n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+class DeviceBuffer:
+    """One accounted allocation. ``buffer`` is the cl.Buffer (None for a zero-byte
+    allocation, which OpenCL cannot create: pass it as a NULL kernel argument).
+    After release ``buffer`` is None, so a stale handle cannot reach memory that
+    now belongs to someone else."""
+
+    __slots__ = ("buffer", "nbytes", "capacity", "owner", "kind", "_pool", "released")
+
+    def __init__(self, pool, buffer, nbytes, capacity, owner, kind):
+        self.buffer = buffer
+        self.nbytes = nbytes        # what was asked for
+        self.capacity = capacity    # what the device holds and the pool counts
+        self.owner = owner
+        self.kind = kind
+        self._pool = pool
+        self.released = False
+
+    def release(self) -> None:
+        self._pool.release(self)
+
+    def __repr__(self):
+        state = " released" if self.released else ""
+        return f"<DeviceBuffer {self.owner}/{self.kind} {self.nbytes} bytes{state}>"
+
+
+class MemoryPool:
+    """The bounded allocator and its accounting; see the module docstring."""
+
+    def __init__(self, context: cl.Context, limit: int, max_allocation: int):
+        self.context = context
+        self.limit = limit
+        self.max_allocation = max_allocation    # the device's largest single buffer
+        self._lock = threading.Lock()
+        self._used = 0                           # bytes, cached workspace included
+        self._peak = 0
+        self._buffers = 0                        # live handles, zero-byte ones included
+        self._by_kind = dict.fromkeys(KINDS, 0)
+        self._owned: dict = {}                   # (owner, kind) -> [bytes, live handles]
+        self._cache: dict = {}                   # (owner, capacity) -> [idle workspace cl.Buffer]
+        self._cached_bytes = 0
+        self._cached_buffers = 0
+        self._evictor = None
+
+    def set_evictor(self, fn) -> None:
+        """``fn(needed_bytes, requester_owner) -> bytes_freed``, called on the
+        allocating thread, without the pool lock, when an alloc does not fit."""
+        self._evictor = fn
+
+    def available(self) -> int:
+        return self.limit - self._used
+
+    def alloc(self, nbytes: int, owner: str, kind: str, host=None) -> DeviceBuffer:
+        """A buffer of ``nbytes`` for ``owner``; ``host`` (an array of exactly
+        nbytes) is copied in at creation."""
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"owner must be a non-empty string, got {owner!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if host is not None:
+            host = np.ascontiguousarray(host)
+            if host.nbytes != nbytes:
+                raise ValueError(f"host array has {host.nbytes} bytes, allocation has {nbytes}")
+        reusable = kind == "workspace" and host is None and nbytes > 0
+        capacity = _bucket(nbytes) if reusable else nbytes
+        if capacity > self.max_allocation:
+            raise OutOfDeviceMemory(nbytes, self.available(), self.limit, owner, kind,
+                                    f"over the device's largest single allocation, {self.max_allocation} bytes")
+        if reusable:
+            with self._lock:
+                idle = self._cache.get((owner, capacity))
+                if idle:
+                    buffer = idle.pop()
+                    if not idle:
+                        del self._cache[owner, capacity]
+                    self._cached_bytes -= capacity
+                    self._cached_buffers -= 1
+                    self._account(owner, kind, 0, 1)
+                    return DeviceBuffer(self, buffer, nbytes, capacity, owner, kind)
+        self._reserve(nbytes, capacity, owner, kind)
+        if not capacity:
+            return DeviceBuffer(self, None, 0, 0, owner, kind)
+        try:
+            if host is None:
+                buffer = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, capacity)
+            else:
+                buffer = cl.Buffer(self.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                                   hostbuf=host)
+        except (cl.Error, MemoryError) as e:
+            with self._lock:
+                self._account(owner, kind, -capacity, -1)
+            raise OutOfDeviceMemory(nbytes, self.available(), self.limit, owner, kind,
+                                    f"the driver refused: {e}") from e
+        with self._lock:  # the peak counts allocations that happened, not attempts
+            self._peak = max(self._peak, self._used)
+        return DeviceBuffer(self, buffer, nbytes, capacity, owner, kind)
+
+    def _reserve(self, nbytes, capacity, owner, kind) -> None:
+        """Count ``capacity`` for owner/kind, making room first if needed, or raise."""
+        with self._lock:
+            if self._used + capacity <= self.limit:
+                self._account(owner, kind, capacity, 1)
+                return
+            idle = self._drop_cached(self.limit - capacity, None)   # idle scratch goes first
+            fits = self._used + capacity <= self.limit
+            if fits:
+                self._account(owner, kind, capacity, 1)
+            short = self._used + capacity - self.limit
+        _free(idle)
+        if fits:
+            return
+        if self._evictor is not None:
+            self._evictor(short, owner)
+            with self._lock:
+                if self._used + capacity <= self.limit:
+                    self._account(owner, kind, capacity, 1)
+                    return
+        raise OutOfDeviceMemory(nbytes, self.available(), self.limit, owner, kind)
+
+    def _account(self, owner, kind, nbytes, handles) -> None:
+        # Under the lock. An (owner, kind) row lives while it has bytes or handles.
+        self._used += nbytes
+        self._by_kind[kind] += nbytes
+        self._buffers += handles
+        row = self._owned.setdefault((owner, kind), [0, 0])
+        row[0] += nbytes
+        row[1] += handles
+        if row == [0, 0]:
+            del self._owned[owner, kind]
+
+    def release(self, buf: DeviceBuffer) -> None:
+        """Give ``buf`` back; releasing twice is a no-op."""
+        if buf._pool is not self:
+            raise ValueError(f"{buf!r} belongs to another pool")
+        with self._lock:
+            if buf.released:
+                return
+            buf.released = True
+            buffer, buf.buffer = buf.buffer, None
+            key = (buf.owner, buf.capacity)
+            if (buf.kind == "workspace" and buffer is not None and _bucket(buf.capacity) == buf.capacity
+                    and self._cached_buffers < WORKSPACE_CACHE_BUFFERS):
+                self._cache.setdefault(key, []).append(buffer)
+                self._cached_bytes += buf.capacity
+                self._cached_buffers += 1
+                self._account(buf.owner, buf.kind, 0, -1)
+                return
+            self._account(buf.owner, buf.kind, -buf.capacity, -1)
+        if buffer is not None:
+            buffer.release()
+
+    def trim(self, target_bytes: int = 0, owner: str | None = None) -> int:
+        """Free cached idle workspace (of ``owner``, or anyone's) until at most
+        ``target_bytes`` are used or the cache is empty; returns bytes freed."""
+        with self._lock:
+            before = self._used
+            idle = self._drop_cached(target_bytes, owner)
+            freed = before - self._used
+        _free(idle)
+        return freed
+
+    def _drop_cached(self, target, owner) -> list:
+        # Under the lock: unaccount idle workspace, returning the cl.Buffers to free.
+        idle = []
+        for key in list(self._cache):
+            if owner is not None and key[0] != owner:
+                continue
+            buffers = self._cache[key]
+            while buffers and self._used > target:
+                idle.append(buffers.pop())
+                self._cached_bytes -= key[1]
+                self._cached_buffers -= 1
+                self._account(key[0], "workspace", -key[1], 0)
+            if not buffers:
+                del self._cache[key]
+            if self._used <= target:
+                break
+        return idle
+
+    def usage(self) -> dict:
+        """Consistent snapshot for /v1/status, /metrics and tests."""
+        with self._lock:
+            by_owner: dict = {}
+            for (owner, kind), (nbytes, _) in self._owned.items():
+                by_owner.setdefault(owner, {})[kind] = nbytes
+            return {"limit": self.limit, "used": self._used, "available": self.limit - self._used,
+                    "peak": self._peak, "buffers": self._buffers,
+                    "cached_bytes": self._cached_bytes, "cached_buffers": self._cached_buffers,
+                    "by_kind": dict(self._by_kind), "by_owner": by_owner}
+
+
+def _free(buffers) -> None:
+    for buffer in buffers:
+        buffer.release()
+
+
+# -- the device ------------------------------------------------------------
+
+class Transfer:
+    """A device-to-host copy in flight: ``array`` is valid once ``done()``."""
+
+    __slots__ = ("event", "array")
+
+    def __init__(self, event, array):
+        self.event = event
+        self.array = array
+
+    def done(self) -> bool:
+        """Non-blocking poll for the loop; raises if the device reports failure."""
+        if self.event is None:
+            return True
+        status = self.event.command_execution_status
+        if status < 0:
+            raise RuntimeError(f"device transfer failed with status {status}")
+        return status == cl.command_execution_status.COMPLETE
+
+    def wait(self) -> np.ndarray:
+        """Block until complete (start-up and tests only, never on the loop)."""
+        if self.event is not None:
+            self.event.wait()
+        return self.array
+
+
+class Device:
+    """One OpenCL device: ``context``, one in-order ``queue``, ``pool``, ``info``."""
+
+    def __init__(self, selector: str | None = None, memory_bytes: int | None = None):
+        found = _enumerate()
+        index = select_device([info for _, info in found], selector)
+        self.cl_device, info = found[index]
+        self.info = dict(info, selector=selector)
+        total = info["global_memory_bytes"]
+        if memory_bytes is None:
+            memory_bytes = int(total * DEFAULT_MEMORY_FRACTION)
+        elif type(memory_bytes) is not int or not 0 < memory_bytes <= total:
+            raise ValueError(f"memory_bytes must be an int in 1..{total} (the device's global memory), "
+                             f"got {memory_bytes!r}")
+        self.info["memory_limit_bytes"] = memory_bytes
+        # What a compiled program depends on: the compiler keys its cache with it.
+        self.identity = "|".join(info[k] for k in ("platform_name", "name", "vendor", "driver_version",
+                                                   "opencl_version"))
+        self.context = cl.Context([self.cl_device])
+        self.queue = cl.CommandQueue(self.context)
+        self.pool = MemoryPool(self.context, memory_bytes, info["max_allocation_bytes"])
+
+    def describe(self) -> str:
+        i = self.info
+        return (f"{i['name']} ({i['type']}, {i['platform_name']}, {i['opencl_version']}, "
+                f"{i['compute_units']} compute units, {i['global_memory_bytes'] >> 20} MiB global, "
+                f"pool limit {self.pool.limit >> 20} MiB, fp16 {'yes' if i['fp16'] else 'no'})")
+
+    @staticmethod
+    def _check_span(buf, offset, nbytes):
+        if buf.released:
+            raise ValueError(f"{buf!r} was released")
+        if type(offset) is not int or offset < 0 or offset + nbytes > buf.nbytes:
+            raise ValueError(f"{nbytes} bytes at offset {offset} do not fit in {buf!r}")
+
+    def upload(self, buf: DeviceBuffer, array, offset: int = 0) -> None:
+        """Copy ``array`` into ``buf`` at byte ``offset``; returns when the copy is done."""
+        array = np.ascontiguousarray(array)
+        self._check_span(buf, offset, array.nbytes)
+        if array.nbytes:
+            cl.enqueue_copy(self.queue, buf.buffer, array, dst_offset=offset, is_blocking=True)
+
+    def download(self, buf: DeviceBuffer, dtype, count: int, offset: int = 0) -> np.ndarray:
+        """``count`` items of ``dtype`` from ``buf`` at byte ``offset`` (blocking)."""
+        return self.download_async(buf, dtype, count, offset).wait()
+
+    def download_async(self, buf: DeviceBuffer, dtype, count: int, offset: int = 0) -> Transfer:
+        """Enqueue the copy after everything already queued and return at once."""
+        array = np.empty(count, dtype)
+        self._check_span(buf, offset, array.nbytes)
+        if not array.nbytes:
+            return Transfer(None, array)
+        event = cl.enqueue_copy(self.queue, array, buf.buffer, src_offset=offset, is_blocking=False)
+        self.queue.flush()  # submitted now, so polling the event sees progress
+        return Transfer(event, array)
+
+    def metrics(self, registry) -> None:
+        """Ownership gauges, computed from the pool at scrape time."""
+        pool = self.pool
+        registry.gauge_fn("loom_device_memory_bytes", "Device memory held, by owner and kind.",
+                          lambda: [((owner, kind), n) for owner, kinds in pool.usage()["by_owner"].items()
+                                   for kind, n in kinds.items()],
+                          labels=("owner", "kind"))
+        registry.gauge_fn("loom_device_memory_limit_bytes", "Device memory pool limit (--memory_bytes).",
+                          lambda: pool.limit)
+        registry.gauge_fn("loom_device_memory_used_bytes", "Device memory counted against the limit.",
+                          lambda: pool.usage()["used"])

@@ -1,0 +1,309 @@
+"""Prepared deployments on the device: modules bound to checkpoints, weights
+uploaded, launch plans compiled once per geometry and replayed.
+
+    prepared = prepare("vectors", sources, checkpoint, options, device, compiler, progress)  # a worker thread
+    prepared.plan_async("embed", {"T": 7, "S": 2}, done)     # loop thread; compiles what is new
+    event = plan.run({"ids": ids_buf, "offsets": off_buf, "out": out_buf})
+
+`prepare` is the only step that touches files (sources, checkpoint) and it
+runs off the loop. Planning runs the control VM (vm.py) for one geometry,
+compiles each distinct kernel specialization through the compiler's cache
+(asynchronously), allocates the plan's scratch as workspace and creates one
+kernel object per launch with its arguments already set; the command's own
+buffer arguments are the only ones set per run. A run is then a short loop
+of enqueues on the device's in-order queue.
+"""
+
+import collections
+import math
+import os
+
+import numpy as np
+import pyopencl as cl
+
+from . import language, vm, weights
+from .language import LoomError
+
+PLAN_CACHE = 32     # plans (geometries) kept per deployment
+
+
+class PrepareError(Exception):
+    """Preparation failed; `code` names the stage for /v1/status."""
+
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def load_module(paths):
+    """One module from several source files (.loom or .loombc): their declarations merge."""
+    merged = None
+    for path in paths:
+        module = language.load(path)
+        if merged is None:
+            merged = module
+            continue
+        if module.kind not in (None, merged.kind):
+            raise LoomError(f"{path}: kind {module.kind} differs from {merged.kind}")
+        for section in ("specs", "params", "states", "kernels", "commands"):
+            for decl in getattr(module, section):
+                if merged.find(section, decl.name) is not None:
+                    raise LoomError(f"{path}: {section[:-1]} {decl.name!r} is also declared by another source")
+                getattr(merged, section).append(decl)
+        if module.policy is not None:
+            if merged.policy is not None:
+                raise LoomError(f"{path}: policy is also declared by another source")
+            merged.policy = module.policy
+    if merged is None:
+        raise LoomError("no sources")
+    return language.check(merged)
+
+
+def _device_array(checkpoint, tensor, storage):
+    """The bytes a param holds on the device, from its checkpoint tensor."""
+    info = checkpoint.tensors[tensor]
+    if storage in ("Q8_0", "Q4_0"):
+        return np.frombuffer(checkpoint.raw(tensor), np.uint8)
+    if storage == "F32":
+        return checkpoint.array(tensor).astype(np.float32, copy=False) if info.dtype == "F32" \
+            else checkpoint.dequantize(tensor)
+    if storage == "F16":
+        return checkpoint.array(tensor) if info.dtype == "F16" else checkpoint.dequantize(tensor).astype(np.float16)
+    values = checkpoint.dequantize(tensor)
+    if not np.array_equal(values, np.round(values)) or np.abs(values).max(initial=0) >= 2**31:
+        raise PrepareError("weights", f"tensor {tensor!r} is declared i32 but holds non-integer values")
+    return values.astype(np.int32)
+
+
+class Prepared:
+    """A module bound to a checkpoint with its params resident on the device."""
+
+    def __init__(self, name, module, binding, device, compiler, sources):
+        self.name = name
+        self.module = module
+        self.binding = binding
+        self.device = device
+        self.compiler = compiler
+        self.sources = sources        # kernel name -> OpenCL source text, read at preparation
+        self.params = {}              # (name, index) -> DeviceBuffer
+        self.states = {}              # name -> DeviceBuffer
+        self.plans = collections.OrderedDict()
+        self.pending = {}             # plan key -> [done callbacks] while compiling
+
+    @property
+    def policy(self):
+        return self.module.policy or {}
+
+    def spec(self, name, default=None):
+        return self.binding.specs.get(name, default)
+
+    def param_bytes(self):
+        return sum(b.capacity for b in set(self.params.values()))
+
+    # -- plans ---------------------------------------------------------------
+    def plan_async(self, command, geometry, done):
+        """done(plan, error) on the loop thread, once every kernel is built."""
+        key = (command, tuple(sorted(geometry.items())))
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+            done(plan, None)
+            return
+        if key in self.pending:
+            self.pending[key].append(done)
+            return
+        try:
+            layout = self.binding.plan(command, **geometry)
+        except LoomError as e:
+            done(None, e)
+            return
+        self.pending[key] = [done]
+        specializations = {}
+        for launch in layout.launches:
+            specializations.setdefault((launch.kernel, tuple(sorted(launch.defines.items()))), launch.defines)
+        built, remaining = {}, [len(specializations)]
+
+        def one_built(spec_key, result):
+            built[spec_key] = result
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self._plan_ready(key, layout, built)
+
+        for spec_key, defines in specializations.items():
+            kernel = spec_key[0]
+            macros = {k: (1 if v is None else v) for k, v in defines.items()}
+            self.compiler.compile_async(self.sources[kernel], macros, name=f"{self.name}/{kernel}",
+                                        on_done=lambda result, k=spec_key: one_built(k, result))
+
+    def _plan_ready(self, key, layout, built):
+        waiters = self.pending.pop(key)
+        failed = next((r for r in built.values() if not r.ok), None)
+        if failed is not None:
+            error = PrepareError("compile", f"{failed.name}: {failed.message}\n{failed.log}")
+            plan = None
+        else:
+            try:
+                plan = ExecPlan(self, layout, built)
+                error = None
+            except (LoomError, cl.Error, KeyError) as e:
+                plan, error = None, PrepareError("plan", str(e))
+            if plan is not None:
+                self.plans[key] = plan
+                while len(self.plans) > PLAN_CACHE:
+                    self.plans.popitem(last=False)[1].release()
+        for done in waiters:
+            done(plan, error)
+
+    def release(self):
+        """Free everything this deployment holds on the device."""
+        for plan in self.plans.values():
+            plan.release()
+        self.plans.clear()
+        for buf in set(self.params.values()) | set(self.states.values()):
+            buf.release()
+        self.params.clear()
+        self.states.clear()
+        self.device.pool.trim(0, owner=self.name)
+
+
+class ExecPlan:
+    """A launch plan bound to device buffers and kernel objects, ready to replay."""
+
+    def __init__(self, prepared, layout, built):
+        self.prepared = prepared
+        self.layout = layout
+        pool = prepared.device.pool
+        self.scratch = {}
+        self.executables = []
+        try:
+            for name, (dtype, dims) in layout.scratch.items():
+                nbytes = (2 if dtype == "f16" else 4) * math.prod(dims)
+                self.scratch[name] = pool.alloc(nbytes, prepared.name, "workspace")
+            self.launches = []       # (kernel, global, local)
+            self.slots = []          # (kernel, arg index, command buffer arg name)
+            for launch in layout.launches:
+                executable = built[(launch.kernel, tuple(sorted(launch.defines.items())))]
+                if executable not in self.executables:
+                    prepared.compiler.pin(executable)
+                    self.executables.append(executable)
+                entry = prepared.module.find("kernels", launch.kernel).entry
+                kernel = cl.Kernel(executable.program, entry)
+                for i, (value, kind) in enumerate(zip(launch.args, launch.arg_types)):
+                    if kind == "int":
+                        kernel.set_arg(i, np.int32(value))
+                    elif kind == "float":
+                        kernel.set_arg(i, np.float32(value))
+                    elif value.kind == "arg":
+                        self.slots.append((kernel, i, value.name))
+                    else:
+                        kernel.set_arg(i, self._buffer(value))
+                self.launches.append((kernel, launch.grid, launch.local))
+        except BaseException:
+            self.release()
+            raise
+
+    def _buffer(self, ref):
+        p = self.prepared
+        if ref.kind == "param":
+            return p.params[(ref.name, ref.index)].buffer
+        if ref.kind == "state":
+            return p.states[ref.name].buffer
+        return self.scratch[ref.name].buffer
+
+    def run(self, buffers):
+        """Enqueue the whole plan; returns the last launch's event."""
+        for kernel, i, name in self.slots:
+            kernel.set_arg(i, buffers[name].buffer)
+        queue = self.prepared.device.queue
+        event = None
+        for kernel, grid, local in self.launches:
+            event = cl.enqueue_nd_range_kernel(queue, kernel, grid, local)
+        queue.flush()
+        return event
+
+    def release(self):
+        for buf in self.scratch.values():
+            buf.release()
+        self.scratch = {}
+        for executable in self.executables:
+            self.prepared.compiler.unpin(executable)
+        self.executables = []
+
+
+def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None):
+    """Everything that reads files or uploads weights; runs on a worker thread."""
+    try:
+        module = load_module(source_paths)
+    except (LoomError, OSError) as e:
+        raise PrepareError("source", str(e)) from None
+    try:
+        checkpoint = weights.open_checkpoint(checkpoint_path)
+    except (weights.WeightsError, OSError) as e:
+        raise PrepareError("checkpoint", str(e)) from None
+    with checkpoint:
+        tensors = {n: vm.Tensor(t.shape, t.dtype) for n, t in checkpoint.tensors.items()}
+        metadata = dict(checkpoint.metadata)
+        metadata.update(_flatten(metadata.get("config", {}), "config."))
+        try:
+            binding = vm.bind(module, metadata, tensors, options, checkpoint.format)
+        except LoomError as e:
+            raise PrepareError("bind", str(e)) from None
+        sources = {}
+        for kernel in module.kernels:
+            try:
+                sources[kernel.name] = (compiler.library_source(kernel.library[:-3]) if kernel.library
+                                        else kernel.source)
+            except ValueError as e:
+                raise PrepareError("source", f"kernel {kernel.name}: {e}") from None
+        prepared = Prepared(name, module, binding, device, compiler, sources)
+        try:
+            _upload(prepared, checkpoint, progress)
+        except BaseException:
+            prepared.release()
+            raise
+    return prepared
+
+
+def _upload(prepared, checkpoint, progress):
+    binding, pool = prepared.binding, prepared.device.pool
+    own = [bp for bp in binding.params.values() if bp.alias is None]
+    total = sum(_storage_bytes(bp.shape, bp.storage) for bp in own)
+    done = 0
+    for bp in own:
+        array = _device_array(checkpoint, bp.tensor, bp.storage)
+        prepared.params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
+        done += array.nbytes
+        if progress:
+            progress(done, total)
+    for key, bp in binding.params.items():
+        if bp.alias is not None:
+            target = bp.alias
+            while binding.params[target].alias is not None:
+                target = binding.params[target].alias
+            prepared.params[key] = prepared.params[target]
+    for state in binding.states.values():
+        pages = binding.options.get("pages", 0) if state.page else 1
+        count = math.prod(state.dims) * (state.page * pages if state.page else 1)
+        nbytes = (2 if state.dtype == "f16" else 4) * count
+        prepared.states[state.name] = pool.alloc(nbytes, prepared.name, "state")
+
+
+def _storage_bytes(shape, storage):
+    count = math.prod(shape)
+    return {"Q8_0": count // 32 * 34, "Q4_0": count // 32 * 18, "F16": 2 * count}.get(storage, 4 * count)
+
+
+def _flatten(value, prefix):
+    out = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    elif prefix:
+        out[prefix[:-1]] = value
+    return out
+
+
+def resolve(base_directory, path):
+    """A relative path under base_directory, or an absolute one as given."""
+    return path if os.path.isabs(path) else os.path.join(base_directory, path)

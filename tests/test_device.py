@@ -1,0 +1,340 @@
+"""loom.device on the real PoCL CPU device: selection, the memory pool, transfers, metrics."""
+
+import threading
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loom.device import (DEFAULT_MEMORY_FRACTION, Device, MemoryPool, OutOfDeviceMemory, list_devices,
+                         select_device)
+from loom.metrics import Registry
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def device():
+    return Device("cpu")
+
+
+def pool_of(device, limit=16 * MiB, max_allocation=None):
+    """A fresh pool on the shared context, so each test starts from zero."""
+    return MemoryPool(device.context, limit, max_allocation or device.info["max_allocation_bytes"])
+
+
+def baseline(usage):
+    return {k: v for k, v in usage.items() if k != "peak"}
+
+
+# -- selection -------------------------------------------------------------
+
+def fake(*rows):
+    """list_devices()-shaped rows from (platform, device, name, type)."""
+    return [{"index": i, "platform": p, "device": d, "name": name, "type": kind}
+            for i, (p, d, name, kind) in enumerate(rows)]
+
+
+MIXED = fake((0, 0, "pthread-AMD EPYC", "cpu"), (1, 0, "Intel(R) UHD Graphics 770", "gpu"),
+             (1, 1, "NVIDIA H200", "gpu"))
+
+
+def test_default_prefers_the_first_gpu_of_any_platform_then_the_cpu():
+    assert select_device(MIXED, None) == 1
+    assert select_device(fake((0, 0, "pthread-AMD EPYC", "cpu"), (0, 1, "FPGA", "accelerator")), None) == 0
+    with pytest.raises(ValueError, match="no OpenCL device matches a GPU or CPU; devices: 0 .* FPGA"):
+        select_device(fake((0, 0, "FPGA", "accelerator")), None)
+    with pytest.raises(ValueError, match="devices: none"):
+        select_device([], None)
+
+
+@pytest.mark.parametrize("selector, index", [
+    ("cpu", 0), ("GPU", 1), ("0", 0), ("2", 2), ("1:1", 2), ("0:0", 0), ("h200", 2), ("uhd", 1),
+    ("Graphics", 1), ("EPYC", 0),
+])
+def test_selectors(selector, index):
+    assert select_device(MIXED, selector) == index
+
+
+@pytest.mark.parametrize("selector", ["3", "0:1", "2:0", "accelerator", "radeon", "1:", ":1", "1:0:0"])
+def test_unknown_selector_lists_what_exists(selector):
+    with pytest.raises(ValueError) as e:
+        select_device(MIXED, selector)
+    message = str(e.value)
+    assert repr(selector) in message
+    for name in ("0 (0:0) pthread-AMD EPYC [cpu]", "1 (1:0) Intel(R) UHD Graphics 770 [gpu]", "NVIDIA H200"):
+        assert name in message
+
+
+@pytest.mark.parametrize("selector", ["", 0, b"cpu"])
+def test_selector_must_be_a_non_empty_string(selector):
+    with pytest.raises(ValueError, match="non-empty string"):
+        select_device(MIXED, selector)
+
+
+def test_list_devices_describes_the_real_device():
+    devices = list_devices()
+    assert devices and [d["index"] for d in devices] == list(range(len(devices)))
+    cpu = next(d for d in devices if d["type"] == "cpu")
+    assert cpu["global_memory_bytes"] >= cpu["max_allocation_bytes"] > 0
+    assert cpu["compute_units"] >= 1
+    assert cpu["opencl_version"].startswith("OpenCL ")
+    assert cpu["fp16"] == ("cl_khr_fp16" in cpu["extensions"])
+    assert isinstance(cpu["platform_name"], str) and isinstance(cpu["name"], str)
+
+
+def test_device_selectors_on_the_real_machine(device):
+    devices = list_devices()
+    me = device.info
+    assert Device().info["name"] == devices[select_device(devices, None)]["name"]
+    for selector in (str(me["index"]), f'{me["platform"]}:{me["device"]}', me["name"][-6:].lower()):
+        other = Device(selector)
+        assert (other.info["index"], other.info["selector"]) == (me["index"], selector)
+    with pytest.raises(ValueError) as e:
+        Device("no such device anywhere")
+    assert me["name"] in str(e.value)
+    assert me["name"] in device.describe()
+
+
+def test_memory_limit_default_and_bounds(device):
+    total = device.info["global_memory_bytes"]
+    assert device.pool.limit == device.info["memory_limit_bytes"] == int(total * DEFAULT_MEMORY_FRACTION)
+    assert Device("cpu", memory_bytes=total).pool.limit == total
+    assert Device("cpu", memory_bytes=4096).pool.usage()["limit"] == 4096
+    for bad in (total + 1, 0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="memory_bytes"):
+            Device("cpu", memory_bytes=bad)
+
+
+# -- accounting ------------------------------------------------------------
+
+def test_accounting_by_owner_and_kind(device):
+    pool = pool_of(device)
+    a = pool.alloc(1000, owner="scout", kind="params")
+    b = pool.alloc(24, owner="scout", kind="state")
+    c = pool.alloc(4096, owner="vectors", kind="params")
+    d = pool.alloc(10, owner="server", kind="staging")
+    u = pool.usage()
+    assert u["used"] == 1000 + 24 + 4096 + 10 and u["buffers"] == 4
+    assert u["available"] == u["limit"] - u["used"]
+    assert u["by_kind"] == {"params": 5096, "state": 24, "workspace": 0, "staging": 10}
+    assert u["by_owner"] == {"scout": {"params": 1000, "state": 24}, "vectors": {"params": 4096},
+                             "server": {"staging": 10}}
+    assert (a.nbytes, a.capacity, a.owner, a.kind) == (1000, 1000, "scout", "params")
+    a.release()
+    a.release()                     # idempotent
+    pool.release(a)
+    assert a.released and a.buffer is None
+    u = pool.usage()
+    assert u["used"] == 24 + 4096 + 10 and u["by_owner"]["scout"] == {"state": 24}
+    for buf in (b, c, d):
+        buf.release()
+    u = pool.usage()
+    assert (u["used"], u["buffers"], u["by_owner"]) == (0, 0, {})
+    assert u["by_kind"] == dict.fromkeys(("params", "state", "workspace", "staging"), 0)
+    assert u["peak"] == 1000 + 24 + 4096 + 10
+
+
+def test_zero_byte_allocations(device):
+    pool = pool_of(device, limit=4096)
+    full = pool.alloc(4096, owner="a", kind="params")
+    z = pool.alloc(0, owner="b", kind="workspace")   # fits even in a full pool
+    assert z.buffer is None and z.nbytes == z.capacity == 0
+    u = pool.usage()
+    assert u["buffers"] == 2 and u["by_owner"]["b"] == {"workspace": 0} and u["used"] == 4096
+    z.release()
+    full.release()
+    assert baseline(pool.usage()) == baseline(pool_of(device, limit=4096).usage())
+
+
+def test_argument_validation(device):
+    pool = pool_of(device)
+    for nbytes in (-1, 1.0, True, "8"):
+        with pytest.raises(ValueError, match="nbytes"):
+            pool.alloc(nbytes, owner="a", kind="params")
+    with pytest.raises(ValueError, match="owner"):
+        pool.alloc(8, owner="", kind="params")
+    with pytest.raises(ValueError, match="kind"):
+        pool.alloc(8, owner="a", kind="weights")
+    with pytest.raises(ValueError, match="host array has 16 bytes"):
+        pool.alloc(8, owner="a", kind="params", host=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="another pool"):
+        pool_of(device).release(pool.alloc(8, owner="a", kind="params"))
+
+
+def test_over_the_limit_fails_cleanly(device):
+    pool = pool_of(device, limit=10_000)
+    held = pool.alloc(6000, owner="scout", kind="params")
+    before = pool.usage()
+    with pytest.raises(OutOfDeviceMemory) as e:
+        pool.alloc(4001, owner="vectors", kind="state")
+    assert (e.value.requested, e.value.available, e.value.limit) == (4001, 4000, 10_000)
+    assert (e.value.owner, e.value.kind) == ("vectors", "state")
+    assert not isinstance(e.value, MemoryError)
+    assert pool.usage() == before
+    exact = pool.alloc(4000, owner="vectors", kind="state")    # exactly to the limit fits
+    assert pool.usage()["available"] == 0
+    exact.release()
+    held.release()
+    assert pool.usage()["used"] == 0
+
+
+def test_device_and_driver_refusals_leave_accounting_unchanged(device):
+    biggest = device.info["max_allocation_bytes"]
+    pool = pool_of(device, limit=4 * biggest)
+    with pytest.raises(OutOfDeviceMemory, match="largest single allocation"):
+        pool.alloc(biggest + 1, owner="a", kind="params")
+    # Lift our own check so the request reaches the driver, which refuses it.
+    lifted = pool_of(device, limit=4 * biggest, max_allocation=4 * biggest)
+    before = lifted.usage()
+    with pytest.raises(OutOfDeviceMemory, match="driver refused") as e:
+        lifted.alloc(biggest + 4096, owner="a", kind="params")
+    assert e.value.requested == biggest + 4096
+    assert lifted.usage() == before
+
+
+def test_evictor_frees_other_owners_before_failing(device):
+    pool = pool_of(device, limit=10_000)
+    old = pool.alloc(6000, owner="old", kind="params")
+    calls = []
+
+    def evict(needed, requester):
+        calls.append((needed, requester))
+        if old.released:
+            return 0
+        old.release()
+        return 6000
+
+    pool.set_evictor(evict)
+    new = pool.alloc(5000, owner="new", kind="params")
+    assert calls == [(1000, "new")]
+    assert pool.usage()["by_owner"] == {"new": {"params": 5000}}
+    before = pool.usage()
+    with pytest.raises(OutOfDeviceMemory):
+        pool.alloc(6000, owner="third", kind="params")   # evictor has nothing left to give
+    assert calls[-1] == (1000, "third") and pool.usage() == before
+    new.release()
+
+
+def test_workspace_is_bucketed_cached_and_reused(device):
+    pool = pool_of(device)
+    w = pool.alloc(1000, owner="scout", kind="workspace")
+    assert (w.nbytes, w.capacity) == (1000, 1024)
+    cl_buffer = w.buffer
+    w.release()
+    u = pool.usage()
+    assert (u["used"], u["buffers"], u["cached_bytes"], u["cached_buffers"]) == (1024, 0, 1024, 1)
+    assert u["by_owner"] == {"scout": {"workspace": 1024}}     # idle scratch still counts
+    again = pool.alloc(900, owner="scout", kind="workspace")   # same bucket: the same buffer back
+    assert again.buffer is cl_buffer and pool.usage()["cached_bytes"] == 0
+    other = pool.alloc(1000, owner="vectors", kind="workspace")  # owners never share scratch
+    assert other.buffer is not cl_buffer
+    for n, capacity in ((1, 256), (256, 256), (257, 512), (1025, 1280), (5 * MiB + 1, 6 * MiB)):
+        buf = pool.alloc(n, owner="sizes", kind="workspace")
+        assert buf.capacity == capacity and capacity - n < max(256, n // 4 + 1)
+        buf.release()
+    again.release()
+    other.release()
+    assert pool.trim(0, owner="sizes") == 256 + 512 + 1280 + 6 * MiB
+    assert set(pool.usage()["by_owner"]) == {"scout", "vectors"}
+    assert pool.trim(0) == 2048
+    u = pool.usage()
+    assert (u["used"], u["cached_buffers"], u["by_owner"]) == (0, 0, {})
+
+
+def test_trim_stops_at_the_target(device):
+    pool = pool_of(device)
+    for buf in [pool.alloc(4096, owner="a", kind="workspace") for _ in range(4)]:
+        buf.release()
+    assert pool.usage()["used"] == 4 * 4096
+    assert pool.trim(2 * 4096) == 2 * 4096
+    assert pool.usage()["cached_buffers"] == 2
+    assert pool.trim(10 * 4096) == 0
+
+
+def test_memory_pressure_drops_idle_workspace_before_evicting(device):
+    pool = pool_of(device, limit=10_000)
+    pool.set_evictor(lambda needed, requester: pytest.fail("evictor called while idle scratch existed"))
+    pool.alloc(8192, owner="a", kind="workspace").release()
+    held = pool.alloc(9000, owner="b", kind="params")
+    assert pool.usage()["by_owner"] == {"b": {"params": 9000}}
+    held.release()
+
+
+def test_host_upload_at_creation_and_round_trips(device):
+    pool = device.pool
+    data = np.arange(1000, dtype=np.float32)
+    buf = pool.alloc(data.nbytes, owner="test", kind="params", host=data)
+    np.testing.assert_array_equal(device.download(buf, np.float32, 1000), data)
+    device.upload(buf, np.full(10, 7, np.int32), offset=40)
+    got = device.download(buf, np.int32, 20, offset=0).view(np.float32)
+    np.testing.assert_array_equal(got[:10], data[:10])
+    np.testing.assert_array_equal(got[10:].view(np.int32), 7)
+    pending = device.download_async(buf, np.float32, 4, offset=3996 - 12)
+    while not pending.done():
+        pass
+    np.testing.assert_array_equal(pending.array, data[-4:])
+    with pytest.raises(ValueError, match="do not fit"):
+        device.upload(buf, np.zeros(1001, np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        device.download(buf, np.float32, 2, offset=3996)
+    empty = pool.alloc(0, owner="test", kind="staging")
+    assert device.download(empty, np.float32, 0).shape == (0,)
+    assert device.download_async(empty, np.int32, 0).done()
+    device.upload(empty, np.zeros(0, np.int8))
+    for b in (buf, empty):
+        b.release()
+    with pytest.raises(ValueError, match="released"):
+        device.download(buf, np.float32, 1)
+    assert "test" not in pool.usage()["by_owner"]
+
+
+def test_concurrent_allocations_account_exactly(device):
+    pool = pool_of(device, limit=64 * MiB)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        held = []
+        try:
+            for i in range(300):
+                if held and rng.random() < 0.5:
+                    held.pop(int(rng.integers(len(held)))).release()
+                else:
+                    kind = ("params", "state", "workspace", "staging")[i % 4]
+                    held.append(pool.alloc(int(rng.integers(0, 64 * 1024)), owner=f"t{seed % 3}", kind=kind))
+            for buf in held:
+                buf.release()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    u = pool.usage()
+    assert u["buffers"] == 0 and u["used"] == u["cached_bytes"] == u["by_kind"]["workspace"]
+    pool.trim(0)
+    u = pool.usage()
+    assert (u["used"], u["cached_buffers"], u["by_owner"]) == (0, 0, {})
+    assert 0 < u["peak"] <= u["limit"]
+
+
+def test_metrics_gauges_parse(device):
+    dev = Device("cpu", memory_bytes=1 * MiB)
+    registry = Registry()
+    dev.metrics(registry)
+    bufs = [dev.pool.alloc(1000, owner='odd "name"', kind="params"), dev.pool.alloc(24, owner="b", kind="state")]
+    families = {f.name: f for f in text_string_to_metric_families(registry.expose())}
+    owned = {(s.labels["owner"], s.labels["kind"]): s.value for s in families["loom_device_memory_bytes"].samples}
+    assert owned == {('odd "name"', "params"): 1000, ("b", "state"): 24}
+    assert families["loom_device_memory_limit_bytes"].samples[0].value == MiB
+    assert families["loom_device_memory_used_bytes"].samples[0].value == 1024
+    for buf in bufs:
+        buf.release()
+    families = {f.name: f for f in text_string_to_metric_families(registry.expose())}
+    assert families["loom_device_memory_bytes"].samples == []
+    assert families["loom_device_memory_used_bytes"].samples[0].value == 0
+    assert registry.scrape_errors == 0
