@@ -1,0 +1,576 @@
+"""Checkpoint readers: GGUF and safetensors, memory-mapped and validated.
+
+``open_checkpoint(path)`` takes a ``.gguf`` file, a ``.safetensors`` file, a
+sharded ``model.safetensors.index.json``, or a directory holding exactly one of
+those, and returns a ``Checkpoint``: metadata, a table of ``TensorInfo`` in
+file order, and zero-copy access to every tensor's bytes.
+
+Checkpoint files are untrusted input. Every header is parsed through a cursor
+that checks each read against the file size first, and every count or length
+a file states is checked against the bytes that remain before anything is
+allocated or looped over, so a lying file is rejected in time proportional to
+what it actually contains. Every problem is a ``WeightsError`` whose message
+names the file and says what was expected where.
+
+Tensor dtypes: F32, F16, BF16 (GGUF and safetensors) and ggml's block formats
+Q8_0 and Q4_0 (GGUF). ``quantize`` and ``dequantize_blocks`` implement ggml's
+reference quantizers and dequantizers for those blocks, vectorized in numpy.
+
+Runtime dependencies: the standard library and numpy only.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "WeightsError", "TensorInfo", "Checkpoint", "open_checkpoint",
+    "dequantize_blocks", "quantize", "BLOCK_LAYOUT",
+]
+
+
+class WeightsError(ValueError):
+    """A checkpoint that cannot be read; ``message`` names the file and the problem."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def _fail(path: str, detail: str) -> WeightsError:
+    return WeightsError(f"{path}: {detail}")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str          # "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0"
+    shape: tuple        # row-major (numpy order)
+    offset: int         # absolute byte offset in its file
+    nbytes: int
+    file: str           # which file holds the bytes (matters for shards)
+
+
+# --- Tensor encodings ---------------------------------------------------------
+
+# dtype -> (values per block, bytes per block); plain dtypes are 1-value blocks.
+BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18)}
+_QUANTIZED = ("Q8_0", "Q4_0")
+_INT64_MAX = 2**63 - 1
+
+
+def _nbytes(dtype: str, count: int) -> int:
+    values, size = BLOCK_LAYOUT[dtype]
+    return count // values * size
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    # bfloat16 is the top half of a float32.
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def dequantize_blocks(raw, dtype: str, count: int) -> np.ndarray:
+    """Decode ``count`` values stored as ``dtype`` in ``raw`` to a float32 vector."""
+    if dtype not in BLOCK_LAYOUT:
+        raise WeightsError(f"dequantize_blocks: unknown dtype {dtype!r}; known: {', '.join(BLOCK_LAYOUT)}")
+    values, block_bytes = BLOCK_LAYOUT[dtype]
+    if not isinstance(count, int) or count < 0 or count % values:
+        raise WeightsError(f"dequantize_blocks: {dtype} count must be a non-negative multiple of {values}, "
+                           f"got {count!r}")
+    if isinstance(raw, np.ndarray):
+        data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    else:
+        data = np.frombuffer(raw, np.uint8)
+    if data.size != _nbytes(dtype, count):
+        raise WeightsError(f"dequantize_blocks: {count} {dtype} values take {_nbytes(dtype, count)} bytes, "
+                           f"got {data.size}")
+    if dtype == "F32":
+        return data.view("<f4").astype(np.float32)
+    if dtype == "F16":
+        return data.view("<f2").astype(np.float32)
+    if dtype == "BF16":
+        return _bf16_to_f32(data.view("<u2"))
+    blocks = data.reshape(-1, block_bytes)
+    scale = blocks[:, :2].view("<f2").astype(np.float32)          # (blocks, 1)
+    if dtype == "Q8_0":
+        q = blocks[:, 2:].view(np.int8)
+    else:  # Q4_0: byte j holds element j (low nibble) and element j + 16 (high nibble)
+        packed = blocks[:, 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8) - np.int8(8)
+    with np.errstate(invalid="ignore"):  # an infinite scale times a zero quant is NaN, as in ggml
+        return (q.astype(np.float32) * scale).reshape(-1)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    # ggml's `id = d ? 1/d : 0`. Where 1/d overflows (d is subnormal, so its f16
+    # copy is zero anyway) ggml's cast is undefined; 0 keeps the quants defined.
+    with np.errstate(over="ignore"):
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    inv[~np.isfinite(inv)] = 0
+    return inv
+
+
+def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
+    """ggml's reference quantizer: float values -> uint8 blocks.
+
+    The innermost axis (a multiple of 32) becomes ``blocks * block_bytes``
+    bytes, so an (N, K) matrix gives (N, K // 32 * block_bytes), the layout
+    ``Checkpoint.array`` returns for quantized tensors.
+    """
+    if dtype not in _QUANTIZED:
+        raise WeightsError(f"quantize: dtype must be one of {', '.join(_QUANTIZED)}, got {dtype!r}")
+    x = np.asarray(values, dtype=np.float32)
+    if x.ndim == 0 or x.shape[-1] % 32:
+        raise WeightsError(f"quantize: the innermost dimension must be a multiple of 32, got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise WeightsError("quantize: values contain NaN or infinity")
+    blocks = x.reshape(-1, 32)
+    if dtype == "Q8_0":
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+        v = blocks * _inverse(d)
+        a = np.abs(v)
+        whole = np.floor(a)
+        q = np.copysign(whole + (a - whole >= 0.5), v).astype(np.int8).view(np.uint8)  # C roundf: halves away from zero
+    else:
+        # The value of largest magnitude, sign kept (the first one on ties), maps to -8.
+        peak = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+        d = peak / np.float32(-8)
+        nibbles = np.minimum(np.float32(15), np.trunc(blocks * _inverse(d) + np.float32(8.5))).astype(np.uint8)
+        q = nibbles[:, :16] | (nibbles[:, 16:] << np.uint8(4))
+    out = np.concatenate([d.astype("<f2").view(np.uint8), q], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * BLOCK_LAYOUT[dtype][1])
+
+
+# --- Files --------------------------------------------------------------------
+
+def _map_file(path: str, minimum: int, what: str) -> mmap.mmap:
+    """Memory-map a whole file read-only, refusing files too short to hold a header."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < minimum:
+                raise _fail(path, f"the file has {size} bytes; {what} needs at least {minimum}")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise _fail(path, f"cannot read: {e.strerror or e}") from None
+
+
+def _release(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:
+        pass  # arrays or views still use it (or a traceback holds one); it unmaps when they go
+
+
+def _unique_object(pairs):
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(path: str, data: bytes, what: str):
+    """Standard JSON, minus what lenient parsers accept: duplicate keys, NaN/Infinity."""
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_object, parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise _fail(path, f"{what} is not valid UTF-8 (byte {e.start})") from None
+    except (ValueError, RecursionError) as e:
+        raise _fail(path, f"{what} is not valid JSON: {e}") from None
+
+
+_MAX_JSON_FILE = 64 << 20   # index and config files: real ones are kilobytes
+
+
+def _read_json_file(path: str, what: str):
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_JSON_FILE + 1)
+    except OSError as e:
+        raise _fail(path, f"cannot read: {e.strerror or e}") from None
+    if len(data) > _MAX_JSON_FILE:
+        raise _fail(path, f"{what} is larger than {_MAX_JSON_FILE} bytes")
+    return _strict_json(path, data, what)
+
+
+class _Cursor:
+    """Sequential little-endian reads from a mapped file; each checked before it happens."""
+
+    def __init__(self, path: str, buf: mmap.mmap):
+        self.path, self.buf, self.pos, self.size = path, buf, 0, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise _fail(self.path, f"{what} needs bytes {self.pos}..{self.pos + n} but the file has {self.size} bytes")
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return values
+
+    def string(self, what: str) -> str:
+        (n,) = self.unpack("<Q", f"length of {what}")
+        self.need(n, what)
+        start, self.pos = self.pos, self.pos + n
+        try:
+            return self.buf[start:self.pos].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _fail(self.path, f"{what} at bytes {start}..{self.pos} is not valid UTF-8 "
+                                   f"(byte {start + e.start})") from None
+
+
+def _check_layout(path: str, tensors: list[TensorInfo], size: int) -> None:
+    """Every tensor inside the file, no two sharing a byte."""
+    for t in tensors:
+        if t.offset + t.nbytes > size:
+            raise _fail(path, f"tensor {t.name!r} needs bytes {t.offset}..{t.offset + t.nbytes} "
+                              f"but the file has {size} bytes")
+    ordered = sorted(tensors, key=lambda t: (t.offset, t.nbytes))
+    for a, b in zip(ordered, ordered[1:]):
+        if b.offset < a.offset + a.nbytes:
+            raise _fail(path, f"tensors {a.name!r} (bytes {a.offset}..{a.offset + a.nbytes}) and "
+                              f"{b.name!r} (bytes {b.offset}..{b.offset + b.nbytes}) overlap")
+
+
+# --- GGUF ---------------------------------------------------------------------
+
+# ggml type ids, for naming the ones Loom rejects.
+_GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
+    30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0"}
+
+# GGUF metadata value types: scalars by struct code; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+_GGUF_BOOL, _GGUF_STRING, _GGUF_ARRAY = 7, 8, 9
+_GGUF_MIN_SIZE = {**{t: struct.calcsize(c) for t, c in _GGUF_SCALARS.items()}, _GGUF_STRING: 8, _GGUF_ARRAY: 12}
+_GGUF_MAX_NESTING = 8           # arrays of arrays: real files use at most one level
+_GGUF_HEADER = 24               # magic, version, tensor count, kv count
+_GGUF_MIN_KV = 8 + 4 + 1        # key length, value type, smallest value
+_GGUF_MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dim, type, offset
+
+
+def _gguf_value(cur: _Cursor, vtype: int, what: str, depth: int = 0):
+    if vtype == _GGUF_STRING:
+        return cur.string(what)
+    if vtype in _GGUF_SCALARS:
+        (value,) = cur.unpack("<" + _GGUF_SCALARS[vtype], what)
+        if vtype == _GGUF_BOOL:
+            if value > 1:
+                raise _fail(cur.path, f"{what} is a bool stored as {value}; expected 0 or 1")
+            return bool(value)
+        return value
+    if vtype != _GGUF_ARRAY:
+        raise _fail(cur.path, f"{what} has unknown value type {vtype}")
+    if depth == _GGUF_MAX_NESTING:
+        raise _fail(cur.path, f"{what} nests arrays deeper than {_GGUF_MAX_NESTING} levels")
+    etype, count = cur.unpack("<IQ", f"array header of {what}")
+    if etype not in _GGUF_MIN_SIZE:
+        raise _fail(cur.path, f"{what} is an array of unknown value type {etype}")
+    # Bound the count by what the rest of the file could hold before touching it.
+    cur.need(count * _GGUF_MIN_SIZE[etype], f"{what} ({count} array elements)")
+    if etype in _GGUF_SCALARS:
+        code = _GGUF_SCALARS[etype]
+        items = np.frombuffer(cur.buf, np.dtype("<" + code), count, cur.pos)
+        cur.pos += items.nbytes
+        if etype == _GGUF_BOOL:
+            if count and items.max() > 1:
+                raise _fail(cur.path, f"{what} holds a bool stored as {items.max()}; expected 0 or 1")
+            return items.astype(bool).tolist()
+        return items.tolist()
+    return [_gguf_value(cur, etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+
+def _read_gguf(path: str) -> Checkpoint:
+    buf = _map_file(path, _GGUF_HEADER, "a GGUF header")
+    try:
+        cur = _Cursor(path, buf)
+        magic = buf[:4]
+        if magic != b"GGUF":
+            raise _fail(path, f"not a GGUF file: magic is {magic!r}, expected b'GGUF'")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if swapped in (1, 2, 3):
+                raise _fail(path, f"big-endian GGUF (version {swapped}) is not supported; "
+                                  f"Loom reads little-endian files")
+            raise _fail(path, f"GGUF version {version} is not supported; Loom reads versions 2 and 3")
+        cur.pos = _GGUF_HEADER
+        cur.need(n_kv * _GGUF_MIN_KV, f"{n_kv} metadata entries")
+
+        metadata = {}
+        for i in range(n_kv):
+            key = cur.string(f"metadata key {i}")
+            if key in metadata:
+                raise _fail(path, f"duplicate metadata key {key!r}")
+            (vtype,) = cur.unpack("<I", f"value type of metadata {key!r}")
+            metadata[key] = _gguf_value(cur, vtype, f"metadata {key!r}")
+            if key == "general.alignment" and vtype != 4:
+                raise _fail(path, f"general.alignment must be a uint32, got value type {vtype}")
+        alignment = metadata.get("general.alignment", 32)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise _fail(path, f"general.alignment {alignment} is not a power of two")
+
+        cur.need(n_tensors * _GGUF_MIN_TENSOR_INFO, f"{n_tensors} tensor infos")
+        infos = []
+        for i in range(n_tensors):
+            name = cur.string(f"name of tensor {i}")
+            (n_dims,) = cur.unpack("<I", f"dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= 4:
+                raise _fail(path, f"tensor {name!r} has {n_dims} dimensions; GGUF allows 1 to 4")
+            ne = cur.unpack(f"<{n_dims}Q", f"dimensions of tensor {name!r}")
+            type_id, rel = cur.unpack("<IQ", f"type and offset of tensor {name!r}")
+            infos.append((name, ne, type_id, rel))
+        data_start = -(-cur.pos // alignment) * alignment
+
+        tensors = {}
+        for name, ne, type_id, rel in infos:
+            if name in tensors:
+                raise _fail(path, f"duplicate tensor name {name!r}")
+            dtype = _GGML_SUPPORTED.get(type_id)
+            if dtype is None:
+                known = f"{_GGML_TYPE_NAMES.get(type_id, 'unknown')} ({type_id})"
+                raise _fail(path, f"tensor {name!r} has type {known}, which Loom does not support; "
+                                  f"supported: F32, F16, BF16, Q8_0, Q4_0")
+            count = 1
+            for d in ne:
+                count *= d
+                if d == 0 or count > _INT64_MAX:
+                    raise _fail(path, f"tensor {name!r} has dimensions {list(ne)}; each must be positive "
+                                      f"and their product at most 2**63-1")
+            if dtype in _QUANTIZED and ne[0] % 32:
+                raise _fail(path, f"tensor {name!r} is {dtype} with a row of {ne[0]} values; "
+                                  f"quantized rows must be a multiple of 32")
+            if rel % alignment:
+                raise _fail(path, f"tensor {name!r} data offset {rel} is not a multiple of the alignment {alignment}")
+            tensors[name] = TensorInfo(name, dtype, tuple(reversed(ne)), data_start + rel, _nbytes(dtype, count), path)
+        _check_layout(path, list(tensors.values()), len(buf))
+    except BaseException:
+        _release(buf)
+        raise
+    return Checkpoint("gguf", metadata, tensors, {path: buf})
+
+
+# --- safetensors --------------------------------------------------------------
+
+_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+_ST_MAX_HEADER = 100_000_000    # the format's own limit
+_ST_MAX_RANK = 8
+_ST_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+def _is_uint(v) -> bool:
+    return type(v) is int and 0 <= v <= _INT64_MAX      # bool is an int subclass: excluded
+
+
+def _read_safetensors_file(path: str):
+    """One safetensors file -> (mmap, its __metadata__ map, tensors in data order)."""
+    buf = _map_file(path, 8, "the safetensors header length")
+    try:
+        size = len(buf)
+        (n,) = struct.unpack_from("<Q", buf, 0)
+        if n > _ST_MAX_HEADER:
+            raise _fail(path, f"header length {n} exceeds the format's limit of {_ST_MAX_HEADER} bytes")
+        if 8 + n > size:
+            raise _fail(path, f"header needs bytes 8..{8 + n} but the file has {size} bytes")
+        header = _strict_json(path, buf[8:8 + n], "header")
+        if not isinstance(header, dict):
+            raise _fail(path, f"header must be a JSON object, got {type(header).__name__}")
+        meta = header.pop("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise _fail(path, "__metadata__ must be an object of string values")
+        data_start, data_size = 8 + n, size - 8 - n
+        tensors = []
+        for name, entry in header.items():
+            where = f"tensor {name!r}"
+            if not isinstance(entry, dict) or entry.keys() != _ST_ENTRY_KEYS:
+                raise _fail(path, f"{where} must be an object with exactly dtype, shape and data_offsets")
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+                raise _fail(path, f"{where} has dtype {dtype!r}, which Loom does not support; "
+                                  f"supported: F32, F16, BF16")
+            if not isinstance(shape, list) or len(shape) > _ST_MAX_RANK or not all(map(_is_uint, shape)):
+                raise _fail(path, f"{where} shape must be a list of at most {_ST_MAX_RANK} non-negative integers")
+            if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_uint, offsets)):
+                raise _fail(path, f"{where} data_offsets must be two non-negative integers")
+            begin, end = offsets
+            if not begin <= end <= data_size:
+                raise _fail(path, f"{where} data_offsets [{begin}, {end}] fall outside the data section "
+                                  f"(bytes {data_start}..{size}, {data_size} bytes)")
+            count = 0 if 0 in shape else 1
+            for d in shape:
+                count *= d
+                if count * _ST_DTYPES[dtype] > data_size:   # stops a product of huge dims early
+                    break
+            if count * _ST_DTYPES[dtype] != end - begin:
+                raise _fail(path, f"{where} is {dtype} {shape} but data_offsets [{begin}, {end}] "
+                                  f"span {end - begin} bytes")
+            tensors.append(TensorInfo(name, dtype, tuple(shape), data_start + begin, end - begin, path))
+        tensors.sort(key=lambda t: t.offset)       # stable: ties keep header order
+        _check_layout(path, tensors, size)
+    except BaseException:
+        _release(buf)
+        raise
+    return buf, meta, tensors
+
+
+def _plain_shard_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\\0") and os.path.basename(name) == name)
+
+
+def _read_safetensors(path: str, index: bool) -> Checkpoint:
+    folder = os.path.dirname(path)
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        if not index:
+            buf, meta, tensors = _read_safetensors_file(path)
+            maps[path] = buf
+            metadata = {"__metadata__": meta}
+            table = {t.name: t for t in tensors}
+        else:
+            doc = _read_json_file(path, "the index")
+            if not isinstance(doc, dict) or "weight_map" not in doc or not doc.keys() <= {"weight_map", "metadata"}:
+                raise _fail(path, "the index must be an object with weight_map and optionally metadata")
+            weight_map, index_meta = doc["weight_map"], doc.get("metadata", {})
+            if not isinstance(weight_map, dict) or not isinstance(index_meta, dict):
+                raise _fail(path, "weight_map and metadata must be objects")
+            shards: dict[str, list[str]] = {}
+            for name, shard in weight_map.items():
+                if not _plain_shard_name(shard):
+                    raise _fail(path, f"tensor {name!r} maps to {shard!r}; shards must be plain file names "
+                                      f"in the index's directory")
+                shards.setdefault(shard, []).append(name)
+            # Shards in the order the index first names them; tensors in each shard's order.
+            merged: dict[str, str] = {}
+            table = {}
+            for shard, mapped in shards.items():
+                shard_path = os.path.join(folder, shard)
+                buf, meta, tensors = _read_safetensors_file(shard_path)
+                maps[shard_path] = buf
+                for key, value in meta.items():
+                    if merged.setdefault(key, value) != value:
+                        raise _fail(shard_path, f"__metadata__ {key!r} is {value!r} "
+                                                f"but an earlier shard says {merged[key]!r}")
+                for t in tensors:
+                    if t.name in table:
+                        raise _fail(shard_path, f"tensor {t.name!r} is also in {table[t.name].file}")
+                    if weight_map.get(t.name) != shard:
+                        raise _fail(shard_path, f"holds tensor {t.name!r}, "
+                                                f"which the index maps to {weight_map.get(t.name)!r}")
+                    table[t.name] = t
+                missing = [n for n in mapped if n not in table]
+                if missing:
+                    raise _fail(shard_path, f"lacks tensor {missing[0]!r}, which the index {path} maps to it")
+            metadata = {"__metadata__": merged, "index": index_meta}
+        config_path = os.path.join(folder, "config.json")
+        if os.path.isfile(config_path):
+            metadata["config"] = _read_json_file(config_path, "config.json")
+    except BaseException:
+        for buf in maps.values():
+            _release(buf)
+        raise
+    return Checkpoint("safetensors", metadata, table, maps)
+
+
+# --- The uniform interface ----------------------------------------------------
+
+class Checkpoint:
+    """An open checkpoint.
+
+    ``format``: "gguf" or "safetensors". ``metadata``: GGUF key/values as Python
+    values (arrays as lists); for safetensors ``{"__metadata__": {...}}`` (shards'
+    maps merged, which must agree), ``"index"``: the index's own ``metadata`` when
+    sharded, and ``"config"``: a ``config.json`` beside the files when there is one.
+    ``tensors``: name -> TensorInfo in file order (GGUF: tensor-info order;
+    safetensors: data order, shards in the order the index first names them).
+
+    ``close()`` (or leaving a ``with`` block) releases the mappings; arrays already
+    handed out keep their mapping alive until they go.
+    """
+
+    def __init__(self, format: str, metadata: dict, tensors: dict[str, TensorInfo], maps: dict[str, mmap.mmap]):
+        self.format = format
+        self.metadata = metadata
+        self.tensors = tensors
+        self.nbytes = sum(t.nbytes for t in tensors.values())
+        self._maps = maps
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for buf in self._maps.values():
+            _release(buf)
+        self._maps = {}
+
+    def _info(self, name: str) -> tuple[TensorInfo, mmap.mmap]:
+        if name not in self.tensors:
+            raise WeightsError(f"checkpoint has no tensor {name!r}")
+        t = self.tensors[name]
+        if t.file not in self._maps:
+            raise WeightsError(f"{t.file}: checkpoint is closed")
+        return t, self._maps[t.file]
+
+    def raw(self, name: str) -> memoryview:
+        """The tensor's exact bytes, zero-copy and read-only."""
+        t, buf = self._info(name)
+        return memoryview(buf)[t.offset:t.offset + t.nbytes]
+
+    def array(self, name: str) -> np.ndarray:
+        """F32/F16: a read-only zero-copy view; BF16: float32; Q8_0/Q4_0: uint8 blocks (rows, row bytes)."""
+        t, buf = self._info(name)
+        if t.dtype in ("F32", "F16"):
+            item = "<f4" if t.dtype == "F32" else "<f2"
+            return np.frombuffer(buf, item, t.nbytes // BLOCK_LAYOUT[t.dtype][1], t.offset).reshape(t.shape)
+        if t.dtype == "BF16":
+            return _bf16_to_f32(np.frombuffer(buf, "<u2", t.nbytes // 2, t.offset)).reshape(t.shape)
+        rows = int(np.prod(t.shape[:-1], dtype=np.int64))
+        return np.frombuffer(buf, np.uint8, t.nbytes, t.offset).reshape(rows, t.nbytes // rows)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as a new float32 array of its shape, whatever its dtype."""
+        t, _ = self._info(name)
+        count = int(np.prod(t.shape, dtype=np.int64))
+        return dequantize_blocks(self.raw(name), t.dtype, count).reshape(t.shape)
+
+
+def open_checkpoint(path) -> Checkpoint:
+    """Open a .gguf, a .safetensors, a safetensors index .json, or a directory with exactly one of them."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        entries = sorted(os.listdir(path))
+        found = [e for e in entries if e in ("model.safetensors", "model.safetensors.index.json")]
+        found += [e for e in entries if e.lower().endswith(".gguf")]
+        if len(found) != 1:
+            raise _fail(path, f"a checkpoint directory must hold exactly one of model.safetensors, "
+                              f"model.safetensors.index.json or a single .gguf file; found {found or 'none'}")
+        path = os.path.join(path, found[0])
+    lower = path.lower()
+    if lower.endswith(".gguf"):
+        return _read_gguf(path)
+    if lower.endswith(".safetensors"):
+        return _read_safetensors(path, index=False)
+    if lower.endswith(".json"):
+        return _read_safetensors(path, index=True)
+    raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors or .json index file, or a directory")
