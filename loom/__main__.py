@@ -26,6 +26,15 @@ def parser():
         prog="python -m loom",
         description="Loom inference server: serves model deployments over HTTP on TCP and Unix sockets.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", metavar="FILE",
+                   help="model catalog to register at start: a JSON list of model documents (or {\"models\": [...]}); "
+                        "relative base_directory values resolve against the file's folder")
+    p.add_argument("--device", metavar="SELECTOR",
+                   help="OpenCL device: cpu, gpu, a flat index N, P:D (platform:device) or part of its name. "
+                        "Default: the first GPU, else the CPU (PoCL)")
+    p.add_argument("--memory_bytes", type=_positive_int,
+                   help="bound on device memory for every buffer (weights, state, workspace). "
+                        "Default: 80%% of the device's global memory")
     p.add_argument("--listen", action="append", metavar="ADDR",
                    help="listener, repeatable: tcp:HOST:PORT or unix:PATH (a stale socket file is replaced; "
                         "the file is removed on exit). Default: tcp:127.0.0.1:8080")
@@ -61,13 +70,14 @@ def main(argv=None):
                     connections=args.connections, output_buffer_bytes=args.output_buffer_bytes,
                     header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                    workers=args.workers, log_capacity=args.log_capacity, log_level=args.log_level)
+                    workers=args.workers, log_capacity=args.log_capacity, log_level=args.log_level,
+                    models=args.models, device=args.device, memory_bytes=args.memory_bytes)
     server = Server(config)
     configure_logging(args.log_level, server.logs)
     try:
         server.start()
     except (OSError, ValueError) as e:
-        print(f"loom: cannot listen: {e}", file=sys.stderr)
+        print(f"loom: cannot start: {e}", file=sys.stderr)
         return 2
     return server.serve_forever()
 

@@ -9,7 +9,7 @@ with Allow; anything else is 404.
 import os
 import time
 
-from . import __version__, logs
+from . import __version__, embeddings, logs
 from .http import HTTPError, Response, Stream
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 
@@ -27,20 +27,20 @@ def readyz(server, request):
     request.require_empty_body()
     if not server.ready:
         raise HTTPError(503, "the server is starting or stopping", "not_ready")
+    preparing = [r.name for r in server.registry.registrations.values() if r.phase == "preparing" and r.from_catalog]
+    if preparing:
+        raise HTTPError(503, f"start-up catalog still preparing: {', '.join(preparing)}", "not_ready")
     return Response.json({"status": "ready"})
 
 
 def models(server, request):
     request.require_empty_body()
-    registry = getattr(server, "registry", None)
-    data = registry.model_list() if registry is not None else []
-    return Response.json({"object": "list", "data": data})
+    return Response.json({"object": "list", "data": server.registry.model_list()})
 
 
 def status(server, request):
     request.require_empty_body()
     cfg = server.config
-    registry = getattr(server, "registry", None)
     return Response.json({
         "object": "status",
         "server": {
@@ -71,7 +71,8 @@ def status(server, request):
         "scheduler": {
             "executor": {"workers": cfg.workers, "pending": server.loop.executor_pending},
         },
-        "registrations": registry.status() if registry is not None else [],
+        "resources": server.registry.resources(),
+        "registrations": server.registry.status(),
     })
 
 
@@ -149,6 +150,7 @@ ROUTES = [
     ("GET", "/logz", logz),
     ("GET", "/logz/stream", logz_stream),
     ("GET", "/v1/requests", requests),
+    ("POST", "/v1/embeddings", embeddings.create),
 ]
 
 

@@ -52,6 +52,8 @@ class Config:
     log_capacity: int = 4096
     workers: int = 2
     log_level: str = "info"
+    device: str | None = None
+    memory_bytes: int | None = None
 
 
 class Loop:
@@ -503,6 +505,8 @@ class Server:
         self.logs = LogRing(config.log_capacity, notifier=lambda: self.loop.call_soon_threadsafe(self.logs.notify))
         self.metrics = Registry()
         self._define_metrics()
+        from .registry import Registry as Models
+        self.registry = Models(self)
 
     def _define_metrics(self):
         m = self.metrics
@@ -536,6 +540,13 @@ class Server:
             for listener in self.listeners:
                 listener.close()
             raise
+        if self.config.models:
+            try:
+                self.registry.load_catalog(self.config.models)
+            except (OSError, ValueError):
+                for listener in self.listeners:
+                    listener.close()
+                raise
         for listener in self.listeners:
             self.loop.selector.register(listener.sock, selectors.EVENT_READ, listener.on_accept)
             log.info("listening on %s", listener.address, extra={"event": "listening", "address": listener.address})
@@ -596,6 +607,7 @@ class Server:
             conn.abort("shutdown")
         for listener in self.listeners:
             listener.close()
+        self.registry.close()
         self.loop.close()
 
     # -- connections -------------------------------------------------------

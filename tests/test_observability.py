@@ -170,7 +170,7 @@ def test_openai_sdk_over_tcp_and_unix(shared_server):
     assert list(client.models.list()) == []
     with pytest.raises(openai.NotFoundError) as info:
         client.embeddings.create(model="absent", input="x")
-    assert info.value.status_code == 404 and info.value.body["code"] == "route_not_found"
+    assert info.value.status_code == 404 and info.value.body["code"] == "model_not_found"
     unix = openai.OpenAI(base_url="http://loom/v1", api_key="unused", max_retries=0,
                          http_client=httpx.Client(transport=httpx.HTTPTransport(uds=shared_server.unix_path)))
     assert list(unix.models.list()) == []
