@@ -51,9 +51,9 @@ param w[L] : weight [ROWS, COLS] = "w.{i}"
 kernel linear(x: buf, w: tensor[N, K], y: buf, T: int)
     from "matmul.cl"
     entry "matmul"
-    defines { N = N, K = K, flag "WEIGHT_" + dtype(w) }
+    defines { N = N, K = K, ROWS_PER_ITEM = 1, WG = 8, flag "WEIGHT_" + dtype(w) }
     args [x, 0, K, w, y, y, 0, N, T]
-    grid [ceil(ceil(N, 4), 8) * 8, 1] local [8, 1]
+    grid [ceil(N, 8) * 8, 1] local [8, 1]
 command mv(x: buf, y: buf, T: int) {
     for l in 0..L {
         linear(x, w[l], y, T)

@@ -81,8 +81,19 @@ class Job:
         self.buffers = {}
         self.host = []           # host arrays kept alive until their copies complete
         self.gone = False
-        reg.in_flight += 1
+        self.acquired = False
         request.state = "queued"
+        server.registry.acquire(reg, self.start)
+
+    def start(self, error):
+        if error is not None:
+            self.finish(error=error)
+            return
+        self.acquired = True
+        if self.gone:
+            self.finish()
+            return
+        sequences, reg = self.sequences, self.reg
         ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
         offsets = np.zeros(len(sequences) + 1, np.int32)
         np.cumsum([len(s) for s in sequences], out=offsets[1:])
@@ -137,7 +148,9 @@ class Job:
             buf.release()
         self.buffers = {}
         self.host = []
-        self.reg.in_flight -= 1
+        if self.acquired:
+            self.acquired = False
+            self.server.registry.release_use(self.reg)
         if error is not None:
             status = 503 if type(error).__name__ == "OutOfDeviceMemory" else 500
             response = HTTPError(status, f"embedding failed: {getattr(error, 'message', error)}",

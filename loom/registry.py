@@ -10,6 +10,7 @@ deployments are what /v1/models lists and what inference endpoints admit to.
 import logging
 import os
 import re
+import threading
 import time
 
 from . import jsonin, runtime
@@ -78,6 +79,13 @@ class Registration:
         self.in_flight = 0
         self.queued = 0
         self.from_catalog = False
+        # Residency: parameters can leave the device (deactivate, memory pressure)
+        # and stream back on demand. The lock orders in_flight against eviction,
+        # which may run on a preparation thread.
+        self.lock = threading.Lock()
+        self.pinned = False
+        self.last_used = time.monotonic()
+        self.restoring = None       # callbacks waiting for parameters to return
 
     def paths(self):
         base = self.base_directory
@@ -105,7 +113,8 @@ class Registration:
             "progress": dict(self.progress), "error": self.error, "admission": self.admission,
             "requests": {"in_flight": self.in_flight, "queued": self.queued,
                          "pending_capacity": self.doc["pending_capacity"]},
-            "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0},
+            "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0,
+                          "resident": bool(p and p.resident), "pinned": self.pinned},
         }
 
 
@@ -118,6 +127,10 @@ class Registry:
         self.device = None
         self.compiler = None
         self.device_error = None
+        # One preparation at a time: uploads are bound by memory bandwidth anyway,
+        # and a finished model is evictable while the next one loads.
+        self.to_prepare = []
+        self.preparing = None
 
     # -- device --------------------------------------------------------------
     def ensure_device(self):
@@ -134,6 +147,7 @@ class Registry:
                 return None
             loop = self.server.loop
             self.compiler = Compiler(self.device, lambda fn, done: loop.run_in_executor(fn, done))
+            self.device.pool.set_evictor(self._evict_for)
             self.device.metrics(self.server.metrics)
             self.compiler.metrics(self.server.metrics)
             log.info("device: %s", self.device.describe(),
@@ -161,13 +175,27 @@ class Registry:
         reg = Registration(doc, base)
         self.registrations[reg.name] = reg
         log.info("registered %s (%s)", reg.name, reg.kind, extra={"event": "registered", "model": reg.name})
-        self._prepare(reg)
+        self.to_prepare.append(reg)
+        self._next_preparation()
         return reg
+
+    def _next_preparation(self):
+        while self.preparing is None and self.to_prepare:
+            reg = self.to_prepare.pop(0)
+            if self.registrations.get(reg.name) is reg:
+                self.preparing = reg
+                self._prepare(reg)
+
+    def _prepared(self, reg):
+        if self.preparing is reg:
+            self.preparing = None
+        self._next_preparation()
 
     def _prepare(self, reg):
         device = self.ensure_device()
         if device is None:
             self._failed(reg, "device", f"no OpenCL device: {self.device_error}")
+            self._prepared(reg)
             return
         sources, checkpoint = reg.paths()
         options = dict(reg.doc.get("options") or {})
@@ -180,6 +208,7 @@ class Registry:
             return runtime.prepare(reg.name, sources, checkpoint, options, device, self.compiler, progress)
 
         def finished(prepared, error):
+            self.server.loop.call_soon(self._prepared, reg)
             if error is not None:
                 code = getattr(error, "code", "internal")
                 self._failed(reg, code, getattr(error, "message", None) or f"{type(error).__name__}: {error}")
@@ -220,6 +249,74 @@ class Registry:
                 self.register(doc, folder).from_catalog = True
             except HTTPError as e:
                 raise ValueError(f"{path}: model document {i}: {e.message}") from None
+
+    # -- residency -----------------------------------------------------------
+    def acquire(self, reg, ready):
+        """Count a use of reg's parameters; ready(error) once they are resident
+        (at once if they are, after streaming them back if they were evicted)."""
+        with reg.lock:
+            if reg.prepared is not None and reg.prepared.resident:
+                reg.in_flight += 1
+                reg.last_used = time.monotonic()
+                acquired = True
+            else:
+                acquired = False
+        if acquired:
+            ready(None)
+        else:
+            self.activate(reg, lambda error: ready(error) if error else self.acquire(reg, ready))
+
+    def release_use(self, reg):
+        with reg.lock:
+            reg.in_flight -= 1
+            reg.last_used = time.monotonic()
+
+    def activate(self, reg, done=None):
+        """Stream evicted parameters back (on a worker); done(error) on the loop."""
+        waiters = [done] if done else []
+        if reg.restoring is not None:
+            reg.restoring += waiters
+            return
+        if reg.prepared is None or reg.prepared.resident:
+            for fn in waiters:
+                fn(None if reg.prepared is not None else RuntimeError(f"{reg.name} is not prepared"))
+            return
+        reg.restoring = waiters
+        _, checkpoint = reg.paths()
+        log.info("activating %s", reg.name, extra={"event": "activating", "model": reg.name})
+
+        def restored(_result, error):
+            callbacks, reg.restoring = reg.restoring, None
+            if error is not None:
+                log.error("activating %s failed: %s", reg.name, error, extra={"event": "activate_failed",
+                                                                               "model": reg.name})
+            for fn in callbacks:
+                fn(error)
+
+        self.server.loop.run_in_executor(reg.prepared.restore, restored, checkpoint)
+
+    def deactivate(self, reg):
+        """Evict reg's parameters now if nothing is using them; returns the bytes freed."""
+        with reg.lock:
+            if reg.prepared is None or reg.in_flight or reg.restoring is not None:
+                return 0
+            freed = reg.prepared.evict()
+        log.info("deactivated %s: %d bytes", reg.name, freed,
+                 extra={"event": "deactivated", "model": reg.name, "bytes": freed})
+        return freed
+
+    def _evict_for(self, needed, requester):
+        """The pool's evictor: least recently used, unpinned, idle parameters of
+        other deployments leave the device until `needed` bytes are free."""
+        freed = 0
+        candidates = sorted((r for r in list(self.registrations.values())
+                             if r.name != requester and not r.pinned and r.prepared is not None),
+                            key=lambda r: r.last_used)
+        for reg in candidates:
+            if freed >= needed:
+                break
+            freed += self.deactivate(reg)
+        return freed
 
     # -- admission -----------------------------------------------------------
     def admit(self, name, kind):

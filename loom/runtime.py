@@ -86,7 +86,7 @@ class Prepared:
         self.device = device
         self.compiler = compiler
         self.sources = sources        # kernel name -> OpenCL source text, read at preparation
-        self.params = {}              # (name, index) -> DeviceBuffer
+        self.params = {}              # (name, index) -> DeviceBuffer; empty while evicted
         self.states = {}              # name -> DeviceBuffer
         self.plans = collections.OrderedDict()
         self.pending = {}             # plan key -> [done callbacks] while compiling
@@ -155,14 +155,41 @@ class Prepared:
         for done in waiters:
             done(plan, error)
 
-    def release(self):
-        """Free everything this deployment holds on the device."""
+    @property
+    def resident(self):
+        return bool(self.params) or not self.binding.params
+
+    def evict(self):
+        """Drop the parameters (and the plans bound to them); state and binding stay.
+        Returns the bytes freed. Kernels already queued keep their buffers alive in
+        the driver until they retire, so this is safe with work in flight."""
+        freed = self.param_bytes()
         for plan in self.plans.values():
             plan.release()
         self.plans.clear()
-        for buf in set(self.params.values()) | set(self.states.values()):
+        for buf in set(self.params.values()):
             buf.release()
         self.params.clear()
+        return freed
+
+    def restore(self, checkpoint_path, progress=None):
+        """Stream the parameters back from the checkpoint (a worker thread)."""
+        try:
+            checkpoint = weights.open_checkpoint(checkpoint_path)
+        except (weights.WeightsError, OSError) as e:
+            raise PrepareError("checkpoint", str(e)) from None
+        with checkpoint:
+            try:
+                _upload_params(self, checkpoint, progress)
+            except BaseException:
+                self.evict()
+                raise
+
+    def release(self):
+        """Free everything this deployment holds on the device."""
+        self.evict()
+        for buf in set(self.states.values()):
+            buf.release()
         self.states.clear()
         self.device.pool.trim(0, owner=self.name)
 
@@ -266,11 +293,23 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
 
 
 def _upload(prepared, checkpoint, progress):
+    _upload_params(prepared, checkpoint, progress)
+    for state in prepared.binding.states.values():
+        pages = prepared.binding.options.get("pages", 0) if state.page else 1
+        count = math.prod(state.dims) * (state.page * pages if state.page else 1)
+        nbytes = (2 if state.dtype == "f16" else 4) * count
+        prepared.states[state.name] = prepared.device.pool.alloc(nbytes, prepared.name, "state")
+
+
+def _upload_params(prepared, checkpoint, progress):
     binding, pool = prepared.binding, prepared.device.pool
     own = [bp for bp in binding.params.values() if bp.alias is None]
     total = sum(_storage_bytes(bp.shape, bp.storage) for bp in own)
     done = 0
     for bp in own:
+        info = checkpoint.tensors.get(bp.tensor)
+        if info is None or tuple(info.shape) != bp.shape:
+            raise PrepareError("checkpoint", f"tensor {bp.tensor!r} changed since the module was bound")
         array = _device_array(checkpoint, bp.tensor, bp.storage)
         prepared.params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
         done += array.nbytes
@@ -282,11 +321,6 @@ def _upload(prepared, checkpoint, progress):
             while binding.params[target].alias is not None:
                 target = binding.params[target].alias
             prepared.params[key] = prepared.params[target]
-    for state in binding.states.values():
-        pages = binding.options.get("pages", 0) if state.page else 1
-        count = math.prod(state.dims) * (state.page * pages if state.page else 1)
-        nbytes = (2 if state.dtype == "f16" else 4) * count
-        prepared.states[state.name] = pool.alloc(nbytes, prepared.name, "state")
 
 
 def _storage_bytes(shape, storage):

@@ -175,3 +175,62 @@ def test_embedding_rejections(catalog_server):
         assert post(server, {"model": "affine-f32", "input": [[1, 2], [3]]})[0] == 200
     after = json.loads(server.request("GET", "/v1/status")[2])["resources"]["memory"]["by_owner"]["affine-f32"]
     assert after["params"] == before["params"] and after.get("workspace", 0) <= max(before.get("workspace", 0), 1 << 16)
+
+
+def test_memory_pressure_evicts_idle_models_and_streams_them_back(tmp_path):
+    """Two models whose parameters cannot both fit: each request streams its
+    model back, evicting the other, and every answer stays exact."""
+    from conftest import _start_live
+    docs, expected = [], {}
+    for i, name in enumerate(["left", "right"]):
+        expected[name] = write_gguf(tmp_path / f"{name}.gguf", "F32", seed=20 + i)
+        docs.append({"model": name, "kind": "embedding", "sources": [os.path.join(PACKAGE, "affine.loom")],
+                     "checkpoint": f"{name}.gguf", "base_directory": "."})
+    (tmp_path / "catalog.json").write_text(json.dumps(docs))
+    param_bytes = (VOCAB * D + DIM * D + DIM) * 4
+    server = _start_live(tmp_path, ("--models", str(tmp_path / "catalog.json"), "--device", "cpu",
+                                    "--memory_bytes", str(param_bytes + param_bytes // 2)))
+    try:
+        def resident():
+            regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+            return {r["model"]: r["resources"]["resident"] for r in regs}
+
+        assert resident() == {"left": False, "right": True}  # preparing right evicted idle left
+        for name in ["left", "right", "left", "left", "right"]:
+            status, body = post(server, {"model": name, "input": [[3, 4], [5]]})
+            assert status == 200, body
+            got = np.array([d["embedding"] for d in body["data"]], np.float32)
+            np.testing.assert_allclose(got, reference(*expected[name], [[3, 4], [5]]), atol=2e-5, rtol=1e-4)
+            assert resident()[name] is True
+        memory = json.loads(server.request("GET", "/v1/status")[2])["resources"]["memory"]
+        assert memory["used"] <= memory["limit"]
+        assert sum(owner.get("params", 0) for owner in memory["by_owner"].values()) == param_bytes
+    finally:
+        assert server.stop() == 0
+
+
+def test_deactivate_activate_and_pinning(thread_server, tmp_path):
+    expected = write_gguf(tmp_path / "m.gguf", "Q8_0", seed=5)
+    ts = thread_server(device="cpu")
+    reg = ts.call(ts.server.registry.register, {
+        "model": "m", "kind": "embedding", "sources": [os.path.join(PACKAGE, "affine.loom")],
+        "checkpoint": str(tmp_path / "m.gguf")}, str(tmp_path))
+    deadline = time.monotonic() + 30
+    while ts.call(lambda: reg.phase) == "preparing" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reg.phase == "ready"
+    pool = ts.server.registry.device.pool
+    params = ts.call(lambda: pool.usage()["by_owner"]["m"]["params"])
+    assert params > 0
+    ts.call(setattr, reg, "pinned", True)
+    assert ts.call(ts.server.registry._evict_for, 1 << 30, "other") == 0   # pinned: never evicted
+    ts.call(setattr, reg, "pinned", False)
+    assert ts.call(ts.server.registry.deactivate, reg) == params
+    assert ts.call(lambda: pool.usage()["by_owner"].get("m", {}).get("params", 0)) == 0
+    status, body = post(ts, {"model": "m", "input": [9, 8, 7]})          # streams the weights back
+    assert status == 200
+    np.testing.assert_allclose(np.array(body["data"][0]["embedding"], np.float32),
+                               reference(*expected, [[9, 8, 7]])[0], atol=2e-5, rtol=1e-4)
+    assert ts.call(lambda: pool.usage()["by_owner"]["m"]["params"]) == params
+    ts.call(ts.server.registry.close)
+    assert ts.call(lambda: pool.usage()["used"]) == 0  # everything the model held is back
