@@ -540,6 +540,7 @@ class Server:
             for listener in self.listeners:
                 listener.close()
             raise
+        self.registry.ensure_device()  # logged and shown in /v1/status; a failure is reported, not fatal
         if self.config.models:
             try:
                 self.registry.load_catalog(self.config.models)

@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = [
     "WeightsError", "TensorInfo", "Checkpoint", "open_checkpoint",
-    "dequantize_blocks", "quantize", "BLOCK_LAYOUT",
+    "dequantize_blocks", "quantize", "BLOCK_LAYOUT", "write_safetensors",
 ]
 
 
@@ -574,3 +574,28 @@ def open_checkpoint(path) -> Checkpoint:
     if lower.endswith(".json"):
         return _read_safetensors(path, index=True)
     raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors or .json index file, or a directory")
+
+
+def write_safetensors(path, tensors, metadata=None) -> None:
+    """Write float32/float16 arrays as a safetensors file (for generated checkpoints:
+    the embedded catalog's stand-in weights and examples)."""
+    header, offset, blobs = {}, 0, []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        dtype = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(array.dtype)
+        if dtype is None:
+            raise ValueError(f"{name}: only float32 and float16 arrays are written, not {array.dtype}")
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned, as the reference writer does
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for data in blobs:
+            f.write(data)
+    os.replace(tmp, path)  # never leave a half-written checkpoint under the real name

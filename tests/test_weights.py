@@ -804,3 +804,22 @@ def test_fuzz_originals_open():
                 f.write(data)
             with open_checkpoint(os.path.join(d, name)) as ck:
                 assert len(ck.tensors) == (5 if name.endswith("gguf") else 3)
+
+
+def test_write_safetensors_round_trips_through_both_readers(tmp_path):
+    from safetensors.numpy import load_file
+
+    from loom.weights import write_safetensors
+    rng = np.random.default_rng(3)
+    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float16)}
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, tensors, {"note": "x"})
+    oracle = load_file(str(path))
+    with open_checkpoint(path) as ckpt:
+        for name, array in tensors.items():
+            np.testing.assert_array_equal(ckpt.array(name), array)
+            np.testing.assert_array_equal(oracle[name], array)
+        assert ckpt.metadata["__metadata__"] == {"note": "x"}
+    with pytest.raises(ValueError):
+        write_safetensors(tmp_path / "bad.safetensors", {"i": np.zeros(2, np.int64)})
+    assert not (tmp_path / "bad.safetensors").exists()
