@@ -65,7 +65,9 @@ def create(server, request):
     dim = prepared.spec("DIM")
     if "dimensions" in body and body["dimensions"] != dim:
         raise HTTPError(400, f"this model supports dimensions {dim} only", "unsupported_value", "dimensions")
-    return Job(server, reg, request, sequences, body.get("encoding_format", "float")).deferred
+    job = Job(server, reg, request, sequences, body.get("encoding_format", "float"))
+    server.registry.enter(reg, job)  # may raise 503 on a full queue: nothing was allocated yet
+    return job.deferred
 
 
 class Job:
@@ -80,19 +82,20 @@ class Job:
         self.deferred.on_cancel = self.cancelled
         self.buffers = {}
         self.host = []           # host arrays kept alive until their copies complete
-        self.gone = False
+        self.gone = False        # the client left, or the response was already settled
         self.acquired = False
         request.state = "queued"
-        server.registry.acquire(reg, self.start)
 
     def start(self, error):
+        """The admission gate let us through and the parameters are resident."""
+        self.acquired = error is None
         if error is not None:
             self.finish(error=error)
             return
-        self.acquired = True
         if self.gone:
             self.finish()
             return
+        self.request.state = "running"
         sequences, reg = self.sequences, self.reg
         ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
         offsets = np.zeros(len(sequences) + 1, np.int32)
@@ -141,16 +144,23 @@ class Job:
                                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
 
     def cancelled(self):
-        self.gone = True  # accepted device work still retires; buffers are freed when it has
+        """The client disconnected: leave the queue, or let accepted work retire."""
+        self.gone = True
+        self.server.registry.withdraw(self.reg, self)
+
+    def fail(self, error):
+        """Withdrawn (unregister): answer now; accepted device work still retires."""
+        if not self.gone:
+            self.gone = True
+            self.deferred.resolve(error.response())
 
     def finish(self, response=None, error=None):
         for buf in self.buffers.values():
             buf.release()
         self.buffers = {}
         self.host = []
-        if self.acquired:
-            self.acquired = False
-            self.server.registry.release_use(self.reg)
+        self.server.registry.leave(self.reg, self, self.acquired)
+        self.acquired = False
         if error is not None:
             status = 503 if type(error).__name__ == "OutOfDeviceMemory" else 500
             response = HTTPError(status, f"embedding failed: {getattr(error, 'message', error)}",

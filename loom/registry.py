@@ -14,8 +14,8 @@ import threading
 import time
 
 from . import jsonin, runtime
-from .http import HTTPError
-from .jsonin import Enum, Int, Obj, Str, Arr
+from .http import HTTPError, Response
+from .jsonin import Arr, Enum, Int, Obj, Str
 
 log = logging.getLogger("loom.registry")
 
@@ -76,8 +76,7 @@ class Registration:
         self.error = None
         self.admission = self.doc["admission"]
         self.prepared = None
-        self.in_flight = 0
-        self.queued = 0
+        self.in_flight = 0          # jobs holding resident parameters (see acquire)
         self.from_catalog = False
         # Residency: parameters can leave the device (deactivate, memory pressure)
         # and stream back on demand. The lock orders in_flight against eviction,
@@ -86,11 +85,22 @@ class Registration:
         self.pinned = False
         self.last_used = time.monotonic()
         self.restoring = None       # callbacks waiting for parameters to return
+        # Admission: jobs waiting at the gate (drained, FIFO) and jobs admitted.
+        self.waiting = []
+        self.jobs = set()
+        self.removing = None        # "drain" | "abort" once unregistered
+        self.deactivate_when_idle = False
 
     def paths(self):
         base = self.base_directory
         sources = [runtime.resolve(base, s) for s in self.doc["sources"]]
         return sources, runtime.resolve(base, self.doc["checkpoint"])
+
+    def components(self):
+        """Residency components: the primary computation, plus an image-input
+        component for text deployments whose package declares one."""
+        policy = self.prepared.policy if self.prepared else {}
+        return ("primary", "image") if self.kind == "text" and policy.get("image_input") else ("primary",)
 
     def capability(self):
         p = self.prepared
@@ -111,7 +121,7 @@ class Registration:
         return {
             "model": self.name, "kind": self.kind, "phase": self.phase, "created": self.created,
             "progress": dict(self.progress), "error": self.error, "admission": self.admission,
-            "requests": {"in_flight": self.in_flight, "queued": self.queued,
+            "requests": {"in_flight": len(self.jobs), "waiting": len(self.waiting),
                          "pending_capacity": self.doc["pending_capacity"]},
             "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0,
                           "resident": bool(p and p.resident), "pinned": self.pinned},
@@ -212,9 +222,12 @@ class Registry:
             if error is not None:
                 code = getattr(error, "code", "internal")
                 self._failed(reg, code, getattr(error, "message", None) or f"{type(error).__name__}: {error}")
+                if reg.removing:
+                    self._remove(reg)
                 return
-            if self.registrations.get(reg.name) is not reg:  # removed while preparing
+            if reg.removing:  # unregistered while preparing
                 prepared.release()
+                self._remove(reg)
                 return
             reg.prepared = prepared
             reg.phase = "ready"
@@ -270,6 +283,9 @@ class Registry:
         with reg.lock:
             reg.in_flight -= 1
             reg.last_used = time.monotonic()
+        if reg.in_flight == 0 and reg.deactivate_when_idle:
+            reg.deactivate_when_idle = False
+            self.deactivate(reg)
 
     def activate(self, reg, done=None):
         """Stream evicted parameters back (on a worker); done(error) on the loop."""
@@ -320,26 +336,90 @@ class Registry:
 
     # -- admission -----------------------------------------------------------
     def admit(self, name, kind):
-        """The ready registration serving `name` for an endpoint of `kind`."""
+        """The registration serving `name` for an endpoint of `kind`, or HTTPError."""
         if not isinstance(name, str):
             raise HTTPError(400, "model must be a string", "invalid_type", "model")
         reg = self.registrations.get(name)
-        if reg is None or reg.kind != kind:
-            raise HTTPError(404, f"model {name!r} does not exist" if reg is None
-                            else f"model {name!r} is a {reg.kind} deployment, not {kind}", "model_not_found", "model")
+        if reg is None or reg.removing:
+            raise HTTPError(404, f"model {name!r} does not exist", "model_not_found", "model")
+        if reg.kind != kind:
+            raise HTTPError(404, f"model {name!r} is a {reg.kind} deployment, not {kind}", "model_not_found", "model")
         if reg.phase == "failed":
             raise HTTPError(503, f"model {name!r} failed to prepare: {reg.error['message']}", "model_failed", "model")
         if reg.phase != "ready":
             raise HTTPError(503, f"model {name!r} is still preparing", "model_not_ready", "model")
-        if reg.admission != "open":
-            raise HTTPError(503, f"model {name!r} is drained", "model_drained", "model")
-        if reg.in_flight + reg.queued >= reg.doc["pending_capacity"] + reg.doc["rows"]:
-            raise HTTPError(503, f"model {name!r} has a full queue", "queue_full", "model")
         return reg
+
+    def enter(self, reg, job):
+        """Pass the admission gate: job.start(error) runs once it may use the
+        device. A drained gate queues (bounded by pending_capacity, then 503)."""
+        if reg.admission != "open" or reg.waiting:
+            if len(reg.waiting) >= reg.doc["pending_capacity"]:
+                raise HTTPError(503, f"model {reg.name!r} has a full queue", "queue_full", "model")
+            reg.waiting.append(job)
+            return
+        self._start(reg, job)
+
+    def _start(self, reg, job):
+        reg.jobs.add(job)
+        self.acquire(reg, job.start)
+
+    def leave(self, reg, job, acquired):
+        """A job is done with the device (its accepted work has retired)."""
+        reg.jobs.discard(job)
+        if acquired:
+            self.release_use(reg)
+        if reg.removing and not reg.jobs:
+            self._remove(reg)
+
+    def withdraw(self, reg, job):
+        """A waiting job's client went away: it leaves the queue at once."""
+        if job in reg.waiting:
+            reg.waiting.remove(job)
+
+    def _open_gate(self, reg):
+        while reg.admission == "open" and reg.waiting and not reg.removing:
+            self._start(reg, reg.waiting.pop(0))
+
+    # -- lifecycle operations ----------------------------------------------------
+    def drain(self, reg):
+        reg.admission = "drained"
+
+    def undrain(self, reg):
+        reg.admission = "open"
+        self._open_gate(reg)
+
+    def unregister(self, reg, mode):
+        """Stop admitting; waiting jobs get 410; `abort` withdraws in-flight ones too.
+        The registration goes once its accepted work has retired."""
+        if reg.removing:
+            return
+        reg.removing = mode
+        reg.phase = "removing" if reg.phase != "failed" else reg.phase
+        gone = HTTPError(410, f"model {reg.name!r} was unregistered", "model_unregistered", "model")
+        waiting, reg.waiting = reg.waiting, []
+        for job in waiting:
+            job.fail(gone)
+        if mode == "abort":
+            for job in list(reg.jobs):
+                job.fail(gone)
+        if reg in self.to_prepare:
+            self.to_prepare.remove(reg)
+        log.info("unregistering %s (%s)", reg.name, mode, extra={"event": "unregistering", "model": reg.name})
+        if not reg.jobs and self.preparing is not reg:
+            self._remove(reg)
+
+    def _remove(self, reg):
+        if self.registrations.get(reg.name) is reg:
+            del self.registrations[reg.name]
+        if reg.prepared is not None:
+            reg.prepared.release()
+            reg.prepared = None
+        log.info("unregistered %s", reg.name, extra={"event": "unregistered", "model": reg.name})
 
     # -- views ---------------------------------------------------------------
     def model_list(self):
-        return [reg.capability() for reg in self.registrations.values() if reg.phase == "ready"]
+        return [reg.capability() for reg in self.registrations.values() if reg.phase == "ready" and not reg.removing]
 
     def status(self):
         return [reg.status() for reg in self.registrations.values()]
@@ -356,3 +436,126 @@ class Registry:
                 reg.prepared = None
 
 
+
+
+# -- HTTP: discovery and administration (PROFILES.md) ------------------------------
+
+MODEL = Obj({"model": Str(min_len=1)})
+UNREGISTER = Obj({"model": Str(min_len=1), "mode": Enum(["drain", "abort"], optional=True)})
+COMPONENT = Obj({"model": Str(min_len=1), "component": Str(optional=True)})
+TRIM = Obj({"device": Int(lo=0, hi=2**31 - 1), "target_bytes": Int(lo=0, hi=2**62)})
+COMPONENT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def _registration(server, name):
+    reg = server.registry.registrations.get(name)
+    if reg is None or reg.removing:
+        raise HTTPError(404, f"model {name!r} does not exist", "model_not_found", "model")
+    return reg
+
+
+def _component(reg, body):
+    """The residency selector: "primary" by default; undeclared 404, malformed 400."""
+    component = body.get("component", "primary")
+    if not COMPONENT_NAME.fullmatch(component):
+        raise HTTPError(400, f"invalid component selector {component!r}", "invalid_value", "component")
+    if component not in reg.components():
+        raise HTTPError(404, f"model {reg.name!r} declares no {component!r} component", "component_not_found",
+                        "component")
+    return component
+
+
+def register_model(server, request):
+    ctype = (request.header("content-type") or "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        raise HTTPError(501, "uploaded source packages are not supported yet", "not_implemented")
+    reg = server.registry.register(request.json(), None)
+    return Response.json(dict(reg.status(), object="registration"), 202)
+
+
+def drain_model(server, request):
+    reg = _registration(server, request.json(MODEL)["model"])
+    server.registry.drain(reg)
+    return Response.json({"model": reg.name, "admission": reg.admission})
+
+
+def undrain_model(server, request):
+    reg = _registration(server, request.json(MODEL)["model"])
+    server.registry.undrain(reg)
+    return Response.json({"model": reg.name, "admission": reg.admission})
+
+
+def unregister_model(server, request):
+    body = request.json(UNREGISTER)
+    reg = _registration(server, body["model"])
+    mode = body.get("mode", "drain")
+    server.registry.unregister(reg, mode)
+    return Response.json({"model": reg.name, "mode": mode, "phase": reg.phase,
+                          "in_flight": len(reg.jobs)}, 202)
+
+
+def _residency_target(server, request):
+    body = request.json(COMPONENT)
+    reg = _registration(server, body["model"])
+    component = _component(reg, body)
+    if reg.phase != "ready" or reg.prepared is None:
+        raise HTTPError(409, f"model {reg.name!r} is {reg.phase}, not a healthy prepared registration",
+                        "not_ready", "model")
+    if reg.admission != "drained":
+        raise HTTPError(409, f"model {reg.name!r} must be drained first (POST /v1/models/drain)",
+                        "not_drained", "model")
+    return reg, component
+
+
+def activate_model(server, request):
+    reg, component = _residency_target(server, request)
+    reg.deactivate_when_idle = False
+    server.registry.activate(reg)
+    return Response.json({"model": reg.name, "component": component, "operation": "activate"}, 202)
+
+
+def deactivate_model(server, request):
+    reg, component = _residency_target(server, request)
+    if reg.in_flight or reg.restoring is not None:
+        reg.deactivate_when_idle = True   # after the drained work finishes
+    else:
+        server.registry.deactivate(reg)
+    return Response.json({"model": reg.name, "component": component, "operation": "deactivate"}, 202)
+
+
+def _pinning(server, request, pinned):
+    body = request.json(COMPONENT)
+    reg = _registration(server, body["model"])
+    component = _component(reg, body)
+    reg.pinned = pinned
+    return Response.json({"model": reg.name, "component": component, "pinned": pinned})
+
+
+def pin_model(server, request):
+    return _pinning(server, request, True)
+
+
+def unpin_model(server, request):
+    return _pinning(server, request, False)
+
+
+def trim_device(server, request):
+    body = request.json(TRIM)
+    registry = server.registry
+    if registry.device is None or body["device"] != 0:
+        raise HTTPError(404, f"no device {body['device']}", "device_not_found", "device")
+    freed = registry.device.pool.trim(body["target_bytes"])
+    return Response.json(dict(registry.resources(), device_index=0, freed_bytes=freed))
+
+
+ROUTES = [
+    ("POST", "/v1/models/register", register_model),
+    ("POST", "/v1/models/drain", drain_model),
+    ("POST", "/v1/models/undrain", undrain_model),
+    ("POST", "/v1/models/unregister", unregister_model),
+    ("POST", "/v1/models/activate", activate_model),
+    ("POST", "/v1/models/deactivate", deactivate_model),
+    ("POST", "/v1/models/pin", pin_model),
+    ("POST", "/v1/models/unpin", unpin_model),
+    ("POST", "/v1/devices/trim", trim_device),
+]
