@@ -867,9 +867,13 @@ def _body_text(body, out):
 
 def load(path):
     """A module from .loom text or .loombc binary, by content."""
-    from . import bytecode
     with open(path, "rb") as f:
         data = f.read()
+    return load_bytes(data, path)
+
+
+def load_bytes(data, path):
+    from . import bytecode
     if data.startswith(bytecode.MAGIC):
         return bytecode.read(data, source=path)
     try:

@@ -239,6 +239,7 @@ def from_form(parts, request_field="request", file_field="file"):
     Exactly one `request_field` part (filename defaults to request.json), any number of
     `file_field` parts each with a filename, nothing else. The outcome does not depend
     on part order; duplicate filenames reject."""
+    parts = list(parts)     # walked more than once
     for part in parts:
         if part.name not in (request_field, file_field):
             raise HTTPError(400, f"unknown form field {part.name!r}; expected {request_field!r} and "

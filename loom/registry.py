@@ -14,8 +14,8 @@ import threading
 import time
 
 from . import jsonin, runtime
-from .http import HTTPError, Response
-from .jsonin import Arr, Enum, Int, Obj, Str
+from .http import Deferred, HTTPError, Response
+from .jsonin import Arr, Bool, Enum, Int, Obj, Str
 
 log = logging.getLogger("loom.registry")
 
@@ -90,6 +90,7 @@ class Registration:
         self.jobs = set()
         self.removing = None        # "drain" | "abort" once unregistered
         self.deactivate_when_idle = False
+        self.readers = set()        # Deferreds waiting for a staged variant's compilation
 
     def paths(self):
         base = self.base_directory
@@ -109,6 +110,8 @@ class Registration:
         if self.kind in ("text", "sequence"):
             loom["context_length"] = self.doc["context_length"]
             loom["limits"] = {"max_output_tokens": self.doc["max_output_tokens"]}
+        if p is not None and p.variants:
+            loom["variants"] = {"selected": p.selected, "count": len(p.variants)}
         if self.kind == "embedding" and p is not None:
             loom["dimensions"] = p.spec("DIM")
             loom["max_input_tokens"] = p.spec("MAX_TOKENS")
@@ -125,6 +128,7 @@ class Registration:
                          "pending_capacity": self.doc["pending_capacity"]},
             "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0,
                           "resident": bool(p and p.resident), "pinned": self.pinned},
+            "variants": {"selected": p.selected, "count": len(p.variants)} if p is not None and p.variants else None,
         }
 
 
@@ -231,6 +235,12 @@ class Registry:
                 return
             reg.prepared = prepared
             reg.phase = "ready"
+            if reg.doc["variant_capacity"] > 0:
+                # The prepared execution is the first choice; staged variants are checked against it.
+                first = runtime.Variant(runtime.next_variant_id(), None, prepared.binding, prepared.sources)
+                first.phase, first.users = "ready", 1
+                prepared.variants[first.id] = first
+                prepared.selected = first.id
             log.info("prepared %s: %d parameter bytes", reg.name, prepared.param_bytes(),
                      extra={"event": "prepared", "model": reg.name, "param_bytes": prepared.param_bytes()})
 
@@ -400,6 +410,9 @@ class Registry:
         waiting, reg.waiting = reg.waiting, []
         for job in waiting:
             job.fail(gone)
+        readers, reg.readers = reg.readers, set()
+        for reader in readers:
+            reader.resolve(gone.response())  # the compilation itself still joins the compiler
         if mode == "abort":
             for job in list(reg.jobs):
                 job.fail(gone)
@@ -548,7 +561,188 @@ def trim_device(server, request):
     return Response.json(dict(registry.resources(), device_index=0, freed_bytes=freed))
 
 
+# -- native executable variants ------------------------------------------------------
+
+PAGE = 64
+PROBES = {"embedding": [("embed", {"T": 1, "S": 1})]}   # geometries compiled when a variant is staged
+STAGE = Obj({"model": Str(min_len=1), "base": Int(lo=0, hi=2**62),
+             "base_directory": Str(min_len=1, max_len=4096, optional=True),
+             "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64), "wait": Bool(optional=True)})
+SELECT = Obj({"model": Str(min_len=1), "variant": Int(lo=0, hi=2**62), "expected": Int(lo=0, hi=2**62)})
+REMOVE = Obj({"model": Str(min_len=1), "variant": Int(lo=0, hi=2**62)})
+
+
+def _variant_service(server, name):
+    """A healthy prepared registration with native variants enabled."""
+    reg = _registration(server, name)
+    if reg.phase != "ready" or reg.prepared is None:
+        raise HTTPError(409, f"model {reg.name!r} is {reg.phase}, not a healthy prepared service", "not_ready", "model")
+    if not reg.prepared.variants:
+        raise HTTPError(501, f"model {reg.name!r} does not support native variants (variant_capacity is 0)",
+                        "variants_disabled", "model")
+    return reg
+
+
+def _variant(server, reg, vid, param="variant"):
+    variant = reg.prepared.variants.get(vid)
+    if variant is not None:
+        return variant
+    if any(r.prepared is not None and vid in r.prepared.variants for r in server.registry.registrations.values()):
+        raise HTTPError(409, f"variant {vid} belongs to another registration", "variant_conflict", param)
+    raise HTTPError(404, f"model {reg.name!r} has no variant {vid}", "variant_not_found", param)
+
+
+def list_variants(server, request):
+    request.require_empty_body()
+    name = request.header("x-loom-model")
+    if name is None:
+        raise HTTPError(400, "X-Loom-Model names the deployment whose variants to list", "missing_header",
+                        "X-Loom-Model")
+    reg = _variant_service(server, name)
+    offset_text, variant_text = request.header("x-loom-offset"), request.header("x-loom-variant")
+    if offset_text is not None and variant_text is not None:
+        raise HTTPError(400, "X-Loom-Offset and X-Loom-Variant are mutually exclusive", "conflicting_headers")
+    prepared = reg.prepared
+    if variant_text is not None:
+        vid = _header_int(variant_text, "X-Loom-Variant")
+        return Response.json(_variant(server, reg, vid).record(detail=True))
+    offset = _header_int(offset_text, "X-Loom-Offset") if offset_text is not None else 0
+    variants = list(prepared.variants.values())
+    page = variants[offset:offset + PAGE]
+    return Response.json({"object": "list", "model": reg.name, "selected": prepared.selected,
+                          "count": len(variants), "offset": offset, "data": [v.record() for v in page],
+                          "next_offset": offset + len(page) if offset + len(page) < len(variants) else None})
+
+
+def _header_int(text, header):
+    if not text.isdigit() or not text.isascii() or len(text) > 18:
+        raise HTTPError(400, f"{header} must be a nonnegative integer", "invalid_header", header)
+    return int(text)
+
+
+def stage_variant(server, request):
+    ctype = (request.header("content-type") or "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        raise HTTPError(501, "uploaded source packages are not supported yet", "not_implemented")
+    body = request.json(STAGE)
+    reg = _variant_service(server, body["model"])
+    base = _variant(server, reg, body["base"], "base")
+    if base.phase != "ready":
+        raise HTTPError(409, f"base variant {base.id} is {base.phase}, not ready", "variant_not_ready", "base")
+    directory = body.get("base_directory")
+    if directory is not None and not os.path.isabs(directory):
+        raise HTTPError(400, "base_directory must be absolute", "invalid_value", "base_directory")
+    paths = []
+    for source in body["sources"]:
+        if not os.path.isabs(source) and directory is None:
+            raise HTTPError(400, f"relative source {source!r} needs an absolute base_directory", "invalid_value",
+                            "sources")
+        paths.append(runtime.resolve(directory, source) if directory else source)
+    return _stage(server, reg, base, paths, None, body.get("wait", True))
+
+
+def _stage(server, reg, base, paths, loaded, wait):
+    prepared = reg.prepared
+    if len(prepared.variants) >= reg.doc["variant_capacity"]:
+        raise HTTPError(429, f"model {reg.name!r} holds {len(prepared.variants)} variants, its variant_capacity",
+                        "variant_capacity", "model")
+    variant = runtime.Variant(runtime.next_variant_id(), base.id, None, None)
+    prepared.variants[variant.id] = variant
+    reader = Deferred() if wait else None
+    if reader is not None:
+        reg.readers.add(reader)
+        reader.on_cancel = lambda: reg.readers.discard(reader)   # the compilation goes on
+
+    def settle(phase, error=None):
+        variant.phase = phase
+        variant.error = error
+        log.info("variant %d of %s: %s", variant.id, reg.name, phase,
+                 extra={"event": "variant", "model": reg.name, "variant": variant.id, "phase": phase})
+        if reader is not None and reader in reg.readers:
+            reg.readers.discard(reader)
+            reader.resolve(Response.json({"selected": prepared.selected, "variant": variant.record(detail=True)},
+                                         200 if phase == "ready" else 422))
+
+    def bound(result, error):
+        if error is not None:
+            settle("failed", {"code": getattr(error, "code", "internal"), "message": str(error)})
+            return
+        variant.binding, variant.sources = result
+        layouts = []
+        try:
+            for command, geometry in PROBES.get(reg.kind, []):
+                layouts.append(variant.binding.plan(command, **geometry))
+        except runtime.LoomError as e:
+            settle("failed", {"code": "plan", "message": str(e)})
+            return
+        pending = [len(layouts)]
+        if not layouts:
+            settle("ready")
+
+        def compiled(built):
+            for result in built.values():
+                variant.diagnostics.append({"kernel": result.name, "ok": result.ok, "log": result.log,
+                                            **({"message": result.message} if not result.ok else {})})
+            failed = [r for r in built.values() if not r.ok]
+            if failed:
+                pending[0] = -1
+                settle("failed", {"code": "compile", "message": failed[0].message})
+                return
+            pending[0] -= 1
+            if pending[0] == 0:
+                settle("ready")
+
+        for layout in layouts:
+            prepared.compile_layout(layout, variant.binding, variant.sources,
+                                    lambda built: compiled(built) if pending[0] > 0 else None)
+
+    server.loop.run_in_executor(runtime.stage_binding, bound, prepared, paths, loaded)
+    if reader is not None:
+        return reader
+    return Response.json({"selected": prepared.selected, "variant": variant.record()}, 202)
+
+
+def select_variant(server, request):
+    body = request.json(SELECT)
+    reg = _variant_service(server, body["model"])
+    prepared = reg.prepared
+    variant = _variant(server, reg, body["variant"])
+    if body["expected"] != prepared.selected:
+        raise HTTPError(409, f"the selected variant is {prepared.selected}, not {body['expected']}",
+                        "stale_expected", "expected")
+    if variant.phase != "ready":
+        raise HTTPError(409, f"variant {variant.id} is {variant.phase}", "variant_not_ready", "variant")
+    # Embedding and decision cohorts capture their plan when they start, so the
+    # switch takes effect between cohorts: this is the safe execution boundary.
+    previous = prepared.variants[prepared.selected]
+    previous.users -= 1
+    variant.users += 1
+    prepared.selected = variant.id
+    log.info("selected variant %d of %s", variant.id, reg.name,
+             extra={"event": "variant_selected", "model": reg.name, "variant": variant.id})
+    return Response.json({"selected": variant.id})
+
+
+def remove_variant(server, request):
+    body = request.json(REMOVE)
+    reg = _variant_service(server, body["model"])
+    prepared = reg.prepared
+    variant = _variant(server, reg, body["variant"])
+    if variant.phase == "compiling":
+        raise HTTPError(409, f"variant {variant.id} is still compiling", "variant_busy", "variant")
+    if variant.users or variant.id == prepared.selected:
+        raise HTTPError(409, f"variant {variant.id} is in use ({variant.users} users)", "variant_busy", "variant")
+    del prepared.variants[variant.id]
+    for key in [k for k in prepared.plans if k[0] == variant.id]:
+        prepared.plans.pop(key).release()
+    return Response.json({"removed": variant.id})
+
+
 ROUTES = [
+    ("GET", "/v1/models/variants", list_variants),
+    ("POST", "/v1/models/variants", stage_variant),
+    ("POST", "/v1/models/variants/select", select_variant),
+    ("POST", "/v1/models/variants/remove", remove_variant),
     ("POST", "/v1/models/register", register_model),
     ("POST", "/v1/models/drain", drain_model),
     ("POST", "/v1/models/undrain", undrain_model),

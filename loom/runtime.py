@@ -15,8 +15,10 @@ of enqueues on the device's in-order queue.
 """
 
 import collections
+import itertools
 import math
 import os
+import time
 
 import numpy as np
 import pyopencl as cl
@@ -36,11 +38,13 @@ class PrepareError(Exception):
         self.message = message
 
 
-def load_module(paths):
-    """One module from several source files (.loom or .loombc): their declarations merge."""
+def load_module(paths, loaded=None):
+    """One module from several source files (.loom or .loombc): their declarations
+    merge. `loaded` supplies (name, bytes) pairs already in memory (uploads)."""
     merged = None
-    for path in paths:
-        module = language.load(path)
+    items = [(p, None) for p in paths] + list(loaded or [])
+    for path, data in items:
+        module = language.load(path) if data is None else language.load_bytes(data, path)
         if merged is None:
             merged = module
             continue
@@ -76,6 +80,35 @@ def _device_array(checkpoint, tensor, storage):
     return values.astype(np.int32)
 
 
+class Variant:
+    """One native execution choice: the command programs and kernels a
+    deployment runs. The first is prepared with the registration; staged ones
+    replace commands and kernels only, under the same resource contract."""
+
+    def __init__(self, vid, base, binding, sources):
+        self.id = vid
+        self.base = base              # the id it was staged against (None for the prepared one)
+        self.binding = binding        # same specs, params and state as every other variant
+        self.sources = sources        # kernel name -> OpenCL source text
+        self.phase = "compiling"
+        self.error = None             # {"code", "message"} when failed
+        self.diagnostics = []         # build evidence per kernel specialization
+        self.created = time.time()
+        self.users = 0                # explicit consumer references (the selection holds one)
+
+    def record(self, detail=False):
+        out = {"object": "variant", "id": self.id, "base": self.base, "phase": self.phase, "users": self.users,
+               "created": int(self.created)}
+        if self.error is not None:
+            out["error"] = dict(self.error)
+        if detail:
+            out["diagnostics"] = list(self.diagnostics)
+            if self.binding is not None:
+                out["commands"] = [c.name for c in self.binding.module.commands]
+                out["kernels"] = [k.name for k in self.binding.module.kernels]
+        return out
+
+
 class Prepared:
     """A module bound to a checkpoint with its params resident on the device."""
 
@@ -88,8 +121,10 @@ class Prepared:
         self.sources = sources        # kernel name -> OpenCL source text, read at preparation
         self.params = {}              # (name, index) -> DeviceBuffer; empty while evicted
         self.states = {}              # name -> DeviceBuffer
-        self.plans = collections.OrderedDict()
+        self.plans = collections.OrderedDict()   # (variant, command, geometry) -> ExecPlan
         self.pending = {}             # plan key -> [done callbacks] while compiling
+        self.variants = {}            # id -> Variant, in creation order
+        self.selected = None          # the preferred variant's id
 
     @property
     def policy(self):
@@ -103,8 +138,11 @@ class Prepared:
 
     # -- plans ---------------------------------------------------------------
     def plan_async(self, command, geometry, done):
-        """done(plan, error) on the loop thread, once every kernel is built."""
-        key = (command, tuple(sorted(geometry.items())))
+        """done(plan, error) on the loop thread, once every kernel is built.
+        Plans come from the selected variant at the time of the call."""
+        variant = self.variants.get(self.selected)
+        binding, sources = (variant.binding, variant.sources) if variant else (self.binding, self.sources)
+        key = (self.selected, command, tuple(sorted(geometry.items())))
         plan = self.plans.get(key)
         if plan is not None:
             self.plans.move_to_end(key)
@@ -114,29 +152,36 @@ class Prepared:
             self.pending[key].append(done)
             return
         try:
-            layout = self.binding.plan(command, **geometry)
+            layout = binding.plan(command, **geometry)
         except LoomError as e:
             done(None, e)
             return
         self.pending[key] = [done]
+        self.compile_layout(layout, binding, sources, lambda built: self._plan_ready(key, layout, built, binding))
+
+    def compile_layout(self, layout, binding, sources, done):
+        """Build every distinct kernel specialization a layout launches; done(built)."""
         specializations = {}
         for launch in layout.launches:
             specializations.setdefault((launch.kernel, tuple(sorted(launch.defines.items()))), launch.defines)
         built, remaining = {}, [len(specializations)]
+        if not specializations:
+            done(built)
+            return
 
         def one_built(spec_key, result):
             built[spec_key] = result
             remaining[0] -= 1
             if remaining[0] == 0:
-                self._plan_ready(key, layout, built)
+                done(built)
 
         for spec_key, defines in specializations.items():
             kernel = spec_key[0]
             macros = {k: (1 if v is None else v) for k, v in defines.items()}
-            self.compiler.compile_async(self.sources[kernel], macros, name=f"{self.name}/{kernel}",
+            self.compiler.compile_async(sources[kernel], macros, name=f"{self.name}/{kernel}",
                                         on_done=lambda result, k=spec_key: one_built(k, result))
 
-    def _plan_ready(self, key, layout, built):
+    def _plan_ready(self, key, layout, built, binding):
         waiters = self.pending.pop(key)
         failed = next((r for r in built.values() if not r.ok), None)
         if failed is not None:
@@ -144,7 +189,7 @@ class Prepared:
             plan = None
         else:
             try:
-                plan = ExecPlan(self, layout, built)
+                plan = ExecPlan(self, layout, built, binding)
                 error = None
             except (LoomError, cl.Error, KeyError) as e:
                 plan, error = None, PrepareError("plan", str(e))
@@ -197,7 +242,7 @@ class Prepared:
 class ExecPlan:
     """A launch plan bound to device buffers and kernel objects, ready to replay."""
 
-    def __init__(self, prepared, layout, built):
+    def __init__(self, prepared, layout, built, binding):
         self.prepared = prepared
         self.layout = layout
         pool = prepared.device.pool
@@ -214,7 +259,7 @@ class ExecPlan:
                 if executable not in self.executables:
                     prepared.compiler.pin(executable)
                     self.executables.append(executable)
-                entry = prepared.module.find("kernels", launch.kernel).entry
+                entry = binding.module.find("kernels", launch.kernel).entry
                 kernel = cl.Kernel(executable.program, entry)
                 for i, (value, kind) in enumerate(zip(launch.args, launch.arg_types)):
                     if kind == "int":
@@ -341,3 +386,47 @@ def _flatten(value, prefix):
 def resolve(base_directory, path):
     """A relative path under base_directory, or an absolute one as given."""
     return path if os.path.isabs(path) else os.path.join(base_directory, path)
+
+
+# Variant ids are unique for the life of the process, across registrations.
+_variant_ids = itertools.count(1)
+
+
+def next_variant_id():
+    return next(_variant_ids)
+
+
+def stage_binding(prepared, source_paths, loaded=None):
+    """Bind staged sources against a prepared deployment's checkpoint and check
+    the resource contract. Runs on a worker (it reads files). `loaded` is an
+    optional list of (name, bytes) for sources uploaded in a package."""
+    try:
+        module = load_module(source_paths, loaded)
+    except (LoomError, OSError) as e:
+        raise PrepareError("source", str(e)) from None
+    base = prepared.binding
+    try:
+        binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format)
+    except LoomError as e:
+        raise PrepareError("contract", f"the sources do not bind to this deployment's checkpoint: {e}") from None
+    old, new = base.contract(), binding.contract()
+    for part in ("specs", "params", "states"):
+        if old[part] != new[part]:
+            changed = sorted(set(old[part]) ^ set(new[part])) or sorted(
+                k for k in old[part] if old[part][k] != new[part].get(k))
+            raise PrepareError("contract", f"the sources change the {part} of the resource contract: "
+                                           f"{', '.join(str(c) for c in changed[:8])}")
+    for name, args in old["commands"].items():
+        if new["commands"].get(name) != args:
+            raise PrepareError("contract", f"command {name} must keep its signature {list(args)}")
+    if module.policy is not None and module.policy != (prepared.module.policy or None):
+        raise PrepareError("contract", "the sources change the policy; that needs a new registration")
+    module.policy = prepared.module.policy
+    sources = {}
+    for kernel in module.kernels:
+        try:
+            sources[kernel.name] = (prepared.compiler.library_source(kernel.library[:-3]) if kernel.library
+                                    else kernel.source)
+        except ValueError as e:
+            raise PrepareError("source", f"kernel {kernel.name}: {e}") from None
+    return binding, sources

@@ -119,7 +119,7 @@ class Loop:
         if self._timers and timeout is None:
             timeout = max(0.0, self._timers[0][0] - time.monotonic())
         for key, mask in self.selector.select(timeout):
-            key.data(mask)
+            self._guarded(key.data, (mask,))
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, fn, args, cancelled = heapq.heappop(self._timers)
@@ -127,7 +127,17 @@ class Loop:
                 self._ready.append((fn, args))
         for _ in range(len(self._ready)):
             fn, args = self._ready.popleft()
+            self._guarded(fn, args)
+
+    @staticmethod
+    def _guarded(fn, args):
+        # A bug in one callback is logged and contained: it must never take the
+        # server (and every other client's work) down with it.
+        try:
             fn(*args)
+        except Exception:
+            log.exception("callback %r failed", getattr(fn, "__qualname__", fn),
+                          extra={"event": "callback_failed"})
 
     def close(self):
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -242,6 +252,13 @@ class Connection:
 
     # -- readiness ---------------------------------------------------------
     def on_event(self, mask):
+        try:
+            self._on_event(mask)
+        except Exception:
+            log.exception("connection %s failed", self.transport, extra={"event": "connection_failed"})
+            self.abort("internal error")
+
+    def _on_event(self, mask):
         if mask & selectors.EVENT_WRITE and not self.closed:
             self.flush()
             # Credit is returned only from the writable event, never from inside a

@@ -229,8 +229,10 @@ def call_builtin(name, args, scope):
 # -- binding -------------------------------------------------------------------------
 
 class Binding:
-    def __init__(self, module, specs, params, states, tensors, options):
+    def __init__(self, module, specs, params, states, tensors, options, metadata=None, fmt=None):
         self.module = module
+        self.metadata = metadata or {}
+        self.format = fmt
         self.specs = specs            # name -> value
         self.params = params          # (name, index) -> BoundParam
         self.states = states          # name -> BoundState
@@ -240,6 +242,16 @@ class Binding:
         for (name, index) in params:
             if index is not None:
                 self.layers[name] = max(self.layers[name] or 0, index + 1)
+
+    def contract(self):
+        """What a native variant must preserve: specialization values, parameter
+        placement, retained state and the command signatures."""
+        return {
+            "specs": dict(self.specs),
+            "params": {k: (p.shape, p.storage, p.tensor, p.alias) for k, p in self.params.items()},
+            "states": {k: (s.dtype, s.page, s.dims) for k, s in self.states.items()},
+            "commands": {c.name: tuple(c.args) for c in self.module.commands},
+        }
 
     def storage(self, ref):
         return self.params[(ref.name, ref.index)].storage
@@ -507,7 +519,7 @@ def bind(module, metadata, tensors, options=None, fmt=None):
         scope = Scope(scope_names, builtins, f"state {s.name}")
         page = None if s.page is None else _dim(evaluate(s.page, scope), scope.where)
         states[s.name] = BoundState(s.name, s.dtype, page, tuple(_dim(evaluate(d, scope), scope.where) for d in s.dims))
-    return Binding(module, specs, params, states, tensors, options)
+    return Binding(module, specs, params, states, tensors, options, metadata, fmt)
 
 
 STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}

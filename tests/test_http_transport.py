@@ -449,3 +449,10 @@ def test_readyz_is_503_while_not_ready(thread_server):
     assert ts.request("GET", "/healthz")[0] == 200  # liveness is unaffected
     ts.call(setattr, ts.server, "ready", True)
     assert ts.request("GET", "/readyz")[0] == 200
+
+
+def test_a_failing_loop_callback_is_contained(thread_server):
+    ts = thread_server()
+    ts.server.loop.call_soon_threadsafe(lambda: 1 / 0)
+    time.sleep(0.1)
+    assert ts.thread.is_alive() and ts.request("GET", "/healthz")[0] == 200

@@ -1,0 +1,749 @@
+"""The opencl/ kernel library against independent numpy references.
+
+Every kernel is built the way the compiler builds it (opencl/common.cl
+prepended, specialization values as -D macros) on the default device (the
+first GPU, else the CPU), run on deterministic random data, and compared with
+a float64 numpy computation written here. Quantized weights are produced with
+the ggml reference formulas and dequantized by numpy from the same bytes.
+Each program is built once per module (builds cost ~0.5 s on PoCL).
+"""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+cl = pytest.importorskip("pyopencl")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPENCL = os.path.join(ROOT, "opencl")
+QK = 32
+
+
+# ---------------------------------------------------------------- device
+
+def _pick_device():
+    devices = [d for p in cl.get_platforms() for d in p.get_devices()]
+    for want in (cl.device_type.GPU, cl.device_type.CPU):
+        for d in devices:
+            if d.type & want:
+                return d
+    if not devices:
+        pytest.skip("no OpenCL device")
+    return devices[0]
+
+
+class Program:
+    """A built program whose kernels are retrieved once (prg.NAME)."""
+
+    def __init__(self, program):
+        self._program = program
+        self._kernels = {}
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._kernels:
+            self._kernels[name] = cl.Kernel(self._program, name)
+        return self._kernels[name]
+
+
+class Env:
+    def __init__(self):
+        self.device = _pick_device()
+        self.ctx = cl.Context([self.device])
+        self.queue = cl.CommandQueue(self.ctx)
+        self.programs = {}
+
+    def build(self, name, **macros):
+        """opencl/common.cl + opencl/NAME.cl with -DKEY=VALUE (-DKEY for True)."""
+        opts = []
+        for k, v in sorted(macros.items()):
+            if v is True:
+                opts.append(f"-D{k}")
+            elif v is not False and v is not None:
+                opts.append(f"-D{k}={v}")
+        key = (name, tuple(opts))
+        if key not in self.programs:
+            with open(os.path.join(OPENCL, "common.cl")) as f:
+                src = f.read()
+            with open(os.path.join(OPENCL, name + ".cl")) as f:
+                src += "\n" + f.read()
+            self.programs[key] = Program(cl.Program(self.ctx, src).build(options=opts))
+        return self.programs[key]
+
+    def buf(self, arr):
+        arr = np.ascontiguousarray(arr)
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=arr)
+
+    def empty(self, nbytes):
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, max(4, nbytes))
+
+    def read(self, b, shape, dtype=np.float32):
+        out = np.empty(shape, dtype)
+        cl.enqueue_copy(self.queue, out, b)
+        return out
+
+    def run(self, kernel, gsize, lsize, *args):
+        kernel(self.queue, gsize, lsize, *args)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return Env()
+
+
+def i32(v):
+    return np.int32(v)
+
+
+def f32(v):
+    return np.float32(v)
+
+
+def assert_close(got, ref, rel):
+    """max |got - ref| <= rel * (output scale = max |ref|)."""
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    scale = max(float(np.abs(ref).max(initial=0.0)), 1e-30)
+    err = float(np.abs(got - ref).max(initial=0.0))
+    assert np.all(np.isfinite(got)), "non-finite output"
+    assert err <= rel * scale, f"max error {err:.3g} > {rel:g} * {scale:.3g}"
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------- ggml quantization (reference formulas)
+
+def quantize_q8_0(w):
+    """[N, K] float32 -> (raw [N, K/32*34] uint8, dequantized float64)."""
+    n, k = w.shape
+    b = w.reshape(-1, QK).astype(np.float32)
+    amax = np.abs(b).max(axis=1)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = b * inv[:, None]
+    q = np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8)  # roundf
+    d16 = d.astype(np.float16)
+    raw = np.concatenate([d16.view(np.uint8).reshape(-1, 2), q.view(np.uint8)], axis=1)
+    deq = d16.astype(np.float64)[:, None] * q.astype(np.float64)
+    return raw.reshape(n, -1), deq.reshape(n, k)
+
+
+def quantize_q4_0(w):
+    """[N, K] float32 -> (raw [N, K/32*18] uint8, dequantized float64)."""
+    n, k = w.shape
+    b = w.reshape(-1, QK).astype(np.float32)
+    m = b[np.arange(len(b)), np.abs(b).argmax(axis=1)]  # signed value of max |x|
+    d = m / np.float32(-8)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.minimum(15, np.trunc(b * inv[:, None] + np.float32(8.5))), 0, 15).astype(np.uint8)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    d16 = d.astype(np.float16)
+    raw = np.concatenate([d16.view(np.uint8).reshape(-1, 2), packed], axis=1)
+    deq = d16.astype(np.float64)[:, None] * (q.astype(np.float64) - 8)
+    return raw.reshape(n, -1), deq.reshape(n, k)
+
+
+def make_weights(kind, w):
+    """(device bytes, float64 matrix the kernel must multiply by)."""
+    if kind == "F32":
+        return w.astype(np.float32), w.astype(np.float64)
+    if kind == "F16":
+        h = w.astype(np.float16)
+        return h, h.astype(np.float64)
+    if kind == "Q8_0":
+        return quantize_q8_0(w)
+    return quantize_q4_0(w)
+
+
+def random_weights(seed, n, k):
+    w = rng(seed).standard_normal((n, k)).astype(np.float32)
+    if k % QK == 0:
+        w[0, :QK] = 0.0                      # an all-zero block (d = 0)
+        if n > 1:
+            w[n - 1, :QK] *= 0.001            # a tiny scale
+            w[n - 1, 3] = -5.0                # negative max |x| (Q4_0 sign path)
+    return w
+
+
+def test_quantizers_match_known_blocks():
+    """The test's own ggml formulas on hand-checked blocks."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, -63.5, 1.0
+    raw, deq = quantize_q8_0(x)
+    assert raw.shape == (1, 34)
+    assert np.frombuffer(raw[0, :2].tobytes(), np.float16)[0] == np.float16(1.0)
+    assert list(raw[0, 2:5].view(np.int8)) == [127, -64, 1]  # roundf: half away from zero
+    assert np.allclose(deq[0, :3], [127, -64, 1])
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 17] = -8.0, 4.0
+    raw, deq = quantize_q4_0(x)
+    assert raw.shape == (1, 18)
+    assert np.frombuffer(raw[0, :2].tobytes(), np.float16)[0] == np.float16(1.0)
+    assert raw[0, 2] == 0x80          # element 0 -> q 0, element 16 -> q 8
+    assert raw[0, 3] == 0xC8          # element 1 -> q 8 (zero), element 17 -> q 12
+    assert deq[0, 0] == -8 and deq[0, 17] == 4 and deq[0, 1] == 0
+
+
+# ---------------------------------------------------------------- matmul
+
+def run_matmul(env, kind, n, k, x, wraw, bias=None, y0=None, geometry=(1, 1, 8, 16),
+               extra=None):
+    rpi, tpi, wg, vw = geometry
+    t = x.shape[0]
+    macros = dict(K=k, N=n, ROWS_PER_ITEM=rpi, TOKENS_PER_ITEM=tpi, WG=wg, VW=vw,
+                  HAS_BIAS=bias is not None, ACCUMULATE=y0 is not None)
+    macros["WEIGHT_" + kind] = True
+    macros.update(extra or {})
+    prg = env.build("matmul", **macros)
+    yb = env.buf(y0 if y0 is not None else np.full((t, n), np.nan, np.float32))
+    groups = -(-n // rpi)
+    env.run(prg.matmul, (-(-groups // wg) * wg, 1), (wg, 1),
+            env.buf(x), i32(0), i32(k), env.buf(wraw),
+            env.buf(bias) if bias is not None else None,
+            yb, i32(0), i32(n), i32(t))
+    return env.read(yb, (t, n))
+
+
+KINDS = ["F32", "F16", "Q8_0", "Q4_0"]
+REL = {"F32": 1e-5, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4}
+
+MATMUL_CASES = [
+    # (N, K, geometry (ROWS_PER_ITEM, TOKENS_PER_ITEM, WG, VW), bias, accumulate)
+    (5, 96, (1, 1, 8, 16), False, False),        # decode defaults, N < WG
+    (37, 4864, (4, 2, 8, 8), True, False),       # long K, N % 4 != 0
+    (250, 896, (1, 4, 8, 16), True, True),       # cohort/prefill tile, residual add
+    (1, 32, (3, 3, 2, 4), False, True),          # N = 1, odd tile sizes
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
+def test_matmul(env, kind, case):
+    n, k, geometry, has_bias, accumulate = MATMUL_CASES[case]
+    wraw, wref = make_weights(kind, random_weights(case, n, k))
+    r = rng(100 + case)
+    bias = r.standard_normal(n).astype(np.float32) if has_bias else None
+    for t in (1, 3, 67):
+        x = r.standard_normal((t, k)).astype(np.float32)
+        y0 = r.standard_normal((t, n)).astype(np.float32) if accumulate else None
+        ref = x.astype(np.float64) @ wref.T
+        if has_bias:
+            ref = ref + bias
+        if accumulate:
+            ref = ref + y0
+        got = run_matmul(env, kind, n, k, x, wraw, bias, y0, geometry)
+        assert_close(got, ref, REL[kind])
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16"])
+def test_matmul_k_not_multiple_of_32(env, kind):
+    """F32/F16 rows of any length: the vector loop plus a scalar tail."""
+    for k, geometry in ((100, (2, 2, 4, 16)), (7, (1, 1, 8, 4))):
+        n = 9
+        wraw, wref = make_weights(kind, random_weights(7, n, k))
+        x = rng(8).standard_normal((5, k)).astype(np.float32)
+        got = run_matmul(env, kind, n, k, x, wraw, geometry=geometry)
+        assert_close(got, x.astype(np.float64) @ wref.T, REL[kind])
+
+
+def test_matmul_geometry_does_not_change_the_answer(env):
+    """Work-group geometry is a specialization: every choice computes the same Y."""
+    n, k, t = 37, 96, 5
+    wraw, wref = make_weights("Q8_0", random_weights(11, n, k))
+    x = rng(12).standard_normal((t, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ wref.T
+    results = []
+    for geometry in ((1, 1, 8, 16), (2, 4, 8, 8), (4, 1, 1, 4), (3, 2, 16, 16)):
+        got = run_matmul(env, "Q8_0", n, k, x, wraw, geometry=geometry)
+        assert_close(got, ref, 1e-4)
+        results.append(got)
+    for got in results[1:]:
+        assert_close(got, results[0], 1e-6)
+
+
+def test_matmul_views_and_token_split(env):
+    """x_off/ldx and y_off/ldy address column slices of wider buffers, and a
+    second global dimension G1 > 1 splits tokens across work-items."""
+    n, k, t = 12, 64, 7
+    wraw, wref = make_weights("F32", random_weights(21, n, k))
+    xfull = rng(22).standard_normal((t, k + 10)).astype(np.float32)
+    yfull = rng(23).standard_normal((t, n + 6)).astype(np.float32)
+    prg = env.build("matmul", K=k, N=n, WEIGHT_F32=True, ROWS_PER_ITEM=1,
+                    TOKENS_PER_ITEM=2, WG=4, VW=8, ACCUMULATE=True)
+    yb = env.buf(yfull)
+    env.run(prg.matmul, (12, 3), (4, 1), env.buf(xfull), i32(10), i32(k + 10),
+            env.buf(wraw), None, yb, i32(6), i32(n + 6), i32(t))
+    got = env.read(yb, yfull.shape)
+    ref = yfull.astype(np.float64).copy()
+    ref[:, 6:] += xfull[:, 10:].astype(np.float64) @ wref.T
+    assert_close(got, ref, 1e-5)
+
+
+def test_matmul_missing_macro_is_a_build_error(env):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=64, WEIGHT_F32=True)
+    assert "define N" in str(e.value)
+
+
+# ---------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("d,wg,weighted", [(896, 1, True), (100, 4, True), (37, 1, False)])
+def test_rms_norm(env, d, wg, weighted):
+    prg = env.build("rms_norm", D=d, WG=wg, HAS_WEIGHT=weighted)
+    r = rng(d)
+    t, eps = 3, 1e-6
+    x = (r.standard_normal((t, d)) * 3).astype(np.float32)
+    w = r.standard_normal(d).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps)
+    if weighted:
+        ref = ref * w
+    xb = env.buf(x)
+    yb = env.empty(x.nbytes)
+    env.run(prg.rms_norm, (wg, t), (wg, 1), xb, env.buf(w) if weighted else None, yb, i32(t), f32(eps))
+    assert_close(env.read(yb, (t, d)), ref, 1e-5)
+    # in place
+    env.run(prg.rms_norm, (wg, t), (wg, 1), xb, env.buf(w) if weighted else None, xb, i32(t), f32(eps))
+    assert_close(env.read(xb, (t, d)), ref, 1e-5)
+
+
+@pytest.mark.parametrize("d,wg", [(384, 1), (37, 8)])
+def test_layer_norm(env, d, wg):
+    prg = env.build("layer_norm", D=d, WG=wg, HAS_WEIGHT=True, HAS_BIAS=True)
+    r = rng(d + 1)
+    t, eps = 67, 1e-12
+    x = (r.standard_normal((t, d)) * 2 + 5).astype(np.float32)  # a large mean
+    w = r.standard_normal(d).astype(np.float32)
+    b = r.standard_normal(d).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mu = x64.mean(axis=1, keepdims=True)
+    ref = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(axis=1, keepdims=True) + eps) * w + b
+    xb = env.buf(x)
+    env.run(prg.layer_norm, (wg, t), (wg, 1), xb, env.buf(w), env.buf(b), xb, i32(t), f32(eps))
+    assert_close(env.read(xb, (t, d)), ref, 1e-5)
+
+
+def test_layer_norm_without_affine(env):
+    d, t = 64, 2
+    prg = env.build("layer_norm", D=d)
+    x = rng(5).standard_normal((t, d)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mu = x64.mean(axis=1, keepdims=True)
+    ref = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    yb = env.empty(x.nbytes)
+    env.run(prg.layer_norm, (1, t), (1, 1), env.buf(x), None, None, yb, i32(t), f32(1e-5))
+    assert_close(env.read(yb, (t, d)), ref, 1e-5)
+
+
+# ---------------------------------------------------------------- rope
+
+def rope_ref(x, pos, theta, freq_scale, rope_dims, neox):
+    """x [T, H, Dh] float64 rotated at pos[T]."""
+    out = x.copy()
+    i = np.arange(rope_dims // 2)
+    inv = theta ** (-2.0 * i / rope_dims)
+    ang = pos[:, None].astype(np.float64) * freq_scale * inv[None, :]  # [T, R/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    if neox:
+        ia, ib = i, i + rope_dims // 2
+    else:
+        ia, ib = 2 * i, 2 * i + 1
+    a, b = x[:, :, ia], x[:, :, ib]
+    out[:, :, ia] = a * c - b * s
+    out[:, :, ib] = a * s + b * c
+    return out
+
+
+@pytest.mark.parametrize("head_dim,neox,rope_dims", [(64, False, None), (64, True, None),
+                                                     (128, True, 32), (128, False, 64)])
+def test_rope(env, head_dim, neox, rope_dims):
+    """Q (14 heads) and K (2 heads) of one fused QKV row, rotated in place."""
+    nq, nkv, t = 14, 2, 5
+    rd = rope_dims or head_dim
+    theta, fs = 10000.0, 0.5 if rope_dims else 1.0
+    width = (nq + 2 * nkv) * head_dim
+    qkv = rng(head_dim + rd).standard_normal((t, width)).astype(np.float32)
+    pos = np.array([0, 1, 17, 99, 42], np.int32)
+    qkv_b, pos_b = env.buf(qkv), env.buf(pos)
+    for heads, off in ((nq, 0), (nkv, nq * head_dim)):
+        prg = env.build("rope", N_HEADS=heads, HEAD_DIM=head_dim, ROPE_DIMS=rope_dims, ROPE_NEOX=neox)
+        env.run(prg.rope, (rd // 2, t), None, qkv_b, i32(off), i32(width), pos_b, i32(t),
+                f32(theta), f32(fs))
+    got = env.read(qkv_b, qkv.shape)
+    ref = qkv.astype(np.float64).copy()
+    q = ref[:, :nq * head_dim].reshape(t, nq, head_dim)
+    k = ref[:, nq * head_dim:(nq + nkv) * head_dim].reshape(t, nkv, head_dim)
+    ref[:, :nq * head_dim] = rope_ref(q, pos, theta, fs, rd, neox).reshape(t, -1)
+    ref[:, nq * head_dim:(nq + nkv) * head_dim] = rope_ref(k, pos, theta, fs, rd, neox).reshape(t, -1)
+    # the angle is float32 (pos * inv_freq up to ~100 rad): 2e-5 of the output scale
+    assert_close(got, ref, 2e-5)
+    assert np.array_equal(got[:, (nq + nkv) * head_dim:], qkv[:, (nq + nkv) * head_dim:])  # V untouched
+
+
+# ---------------------------------------------------------------- softmax
+
+@pytest.mark.parametrize("d,wg,scale", [(37, 1, 1.0), (1000, 4, 0.125), (8, 1, -2.0)])
+def test_softmax(env, d, wg, scale):
+    prg = env.build("softmax", D=d, WG=wg)
+    t = 3
+    x = (rng(d).standard_normal((t, d)) * 10).astype(np.float32)
+    x[1, :] += 1000.0                    # huge logits: stability
+    if scale > 0:
+        x[2, d // 2] = -np.inf           # a masked logit is exactly 0
+    z = x.astype(np.float64) * scale
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    ref = e / e.sum(axis=1, keepdims=True)
+    xb = env.buf(x)
+    env.run(prg.softmax, (wg, t), (wg, 1), xb, xb, i32(t), f32(scale))
+    got = env.read(xb, (t, d))
+    assert_close(got, ref, 1e-5)
+    if scale > 0:
+        assert got[2, d // 2] == 0.0
+    assert np.allclose(got.sum(axis=1), 1.0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- paged KV cache and attention
+
+def attention_ref(q, hist_k, hist_v, rows, positions, scale, group, window=None):
+    """q [T, H, Dh]; hist_k[r] [P, KVH, Dh] dense history of row r."""
+    t_count, heads, dh = q.shape
+    out = np.zeros((t_count, heads, dh))
+    for t in range(t_count):
+        r, p = rows[t], positions[t]
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(heads):
+            g = h // group
+            k = hist_k[r][lo:p + 1, g, :]
+            v = hist_v[r][lo:p + 1, g, :]
+            s = k @ q[t, h] * scale
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ v
+    return out
+
+
+ATTN_CASES = [
+    # (heads, kv heads, head dim, KV_F16, WINDOW)
+    (14, 2, 64, False, None),   # Qwen2.5-0.5B-like GQA 7
+    (4, 4, 128, True, None),    # MHA, half cache
+    (14, 2, 64, False, 20),     # sliding window
+]
+
+
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_kv_store_and_attention(env, case):
+    heads, kvh, dh, kv_f16, window = ATTN_CASES[case]
+    page, max_pages, n_pages, layers = 16, 8, 24, 2
+    kv_row = kvh * dh
+    lens = [1, 17, 100]                        # context per row after this step
+    r = rng(200 + case)
+
+    # scattered, shuffled pages; page id -1 marks unused table entries
+    perm = r.permutation(n_pages)
+    table = -np.ones((len(lens), max_pages), np.int32)
+    used = 0
+    for row, n in enumerate(lens):
+        need = -(-n // page)
+        table[row, :need] = perm[used:used + need]
+        used += need
+    layer = 1
+    layer_off = layer * n_pages * page * kv_row
+    store_t = np.float16 if kv_f16 else np.float32
+    sentinel = 7.0
+    pool_k = np.full(layers * n_pages * page * kv_row, sentinel, store_t)
+    pool_v = np.full_like(pool_k, sentinel)
+    kb, vb = env.buf(pool_k), env.buf(pool_v)
+
+    common = dict(PAGE_SIZE=page, N_KV_HEADS=kvh, HEAD_DIM=dh, MAX_PAGES=max_pages, KV_F16=kv_f16)
+    store = env.build("kv_store", **common).kv_store
+    attn = env.build("attention", N_HEADS=heads, WINDOW=window, **common).attention
+    table_b = env.buf(table)
+
+    # Every position of every row, written in one kv_store call through a fused
+    # QKV-like buffer (K at column 0, V at column kv_row, row length 2*kv_row + 3).
+    rows = np.concatenate([np.full(n, i) for i, n in enumerate(lens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    order = r.permutation(len(rows))           # arrival order does not matter
+    rows, positions = rows[order], positions[order]
+    ld = 2 * kv_row + 3
+    fused = r.standard_normal((len(rows), ld)).astype(np.float32)
+    env.run(store, (kv_row, len(rows)), None, env.buf(fused), i32(0), i32(ld),
+            env.buf(fused), i32(kv_row), i32(ld), kb, vb, i32(layer_off),
+            env.buf(positions), env.buf(rows), table_b, i32(len(rows)))
+
+    # The pool, element by element, as numpy places it.
+    ref_k, ref_v = pool_k.copy(), pool_v.copy()
+    hist_k = [np.zeros((n, kvh, dh)) for n in lens]
+    hist_v = [np.zeros((n, kvh, dh)) for n in lens]
+    for i, (row, p) in enumerate(zip(rows, positions)):
+        dst = layer_off + (table[row, p // page] * page + p % page) * kv_row
+        ref_k[dst:dst + kv_row] = fused[i, :kv_row]
+        ref_v[dst:dst + kv_row] = fused[i, kv_row:2 * kv_row]
+        hist_k[row][p] = ref_k[dst:dst + kv_row].astype(np.float64).reshape(kvh, dh)
+        hist_v[row][p] = ref_v[dst:dst + kv_row].astype(np.float64).reshape(kvh, dh)
+    got_k = env.read(kb, pool_k.shape, store_t)
+    got_v = env.read(vb, pool_v.shape, store_t)
+    assert np.array_equal(got_k, ref_k) and np.array_equal(got_v, ref_v)
+
+    # One attention call mixing: the last 10 positions of row 2 (a prefill
+    # chunk), row 0 at pos 0, row 1 at pos 16 (crossing a page), row 2 at pos 50.
+    q_rows = np.array([2] * 10 + [0, 1, 2], np.int32)
+    q_pos = np.array(list(range(90, 100)) + [0, 16, 50], np.int32)
+    t = len(q_rows)
+    width = heads * dh + 5
+    q = r.standard_normal((t, width)).astype(np.float32)
+    scale = 1.0 / np.sqrt(dh)
+    ob = env.buf(np.full((t, width + 1), np.nan, np.float32))
+    env.run(attn, (heads, t), (heads // kvh, 1), env.buf(q), i32(5), i32(width), kb, vb,
+            i32(layer_off), env.buf(q_pos), env.buf(q_rows), table_b,
+            ob, i32(1), i32(width + 1), i32(t), f32(scale))
+    got = env.read(ob, (t, width + 1))
+    ref = attention_ref(q[:, 5:].astype(np.float64).reshape(t, heads, dh), hist_k, hist_v,
+                        q_rows, q_pos, scale, heads // kvh, window)
+    assert_close(got[:, 1:1 + heads * dh], ref.reshape(t, -1), 1e-5)
+    assert np.isnan(got[:, 0]).all() and np.isnan(got[:, 1 + heads * dh:]).all()
+
+
+def test_attention_is_stable_for_large_scores(env):
+    """Scores in the thousands (no overflow) and a one-position context."""
+    heads, kvh, dh, page, max_pages = 2, 1, 8, 16, 4
+    common = dict(PAGE_SIZE=page, N_KV_HEADS=kvh, HEAD_DIM=dh, MAX_PAGES=max_pages)
+    store = env.build("kv_store", **common).kv_store
+    attn = env.build("attention", N_HEADS=heads, **common).attention
+    n = 40
+    r = rng(300)
+    kv = (r.standard_normal((n, 2 * dh)) * 30).astype(np.float32)
+    table = np.array([[3, 0, 2, -1]], np.int32)
+    kb = env.buf(np.zeros(4 * page * dh, np.float32))
+    vb = env.buf(np.zeros(4 * page * dh, np.float32))
+    pos = np.arange(n, dtype=np.int32)
+    zeros = np.zeros(n, np.int32)
+    env.run(store, (dh, n), None, env.buf(kv), i32(0), i32(2 * dh), env.buf(kv), i32(dh), i32(2 * dh),
+            kb, vb, i32(0), env.buf(pos), env.buf(zeros), env.buf(table), i32(n))
+    q = (r.standard_normal((2, heads * dh)) * 30).astype(np.float32)
+    q_pos = np.array([0, n - 1], np.int32)
+    ob = env.empty(q.nbytes)
+    env.run(attn, (heads, 2), None, env.buf(q), i32(0), i32(heads * dh), kb, vb, i32(0),
+            env.buf(q_pos), env.buf(np.zeros(2, np.int32)), env.buf(table), ob, i32(0),
+            i32(heads * dh), i32(2), f32(1.0))
+    hist = kv.astype(np.float64)
+    ref = attention_ref(q.astype(np.float64).reshape(2, heads, dh),
+                        [hist[:, :dh].reshape(n, 1, dh)], [hist[:, dh:].reshape(n, 1, dh)],
+                        [0, 0], q_pos, 1.0, heads)
+    assert_close(env.read(ob, (2, heads * dh)), ref.reshape(2, -1), 1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_seq(env, causal):
+    heads, kvh, dh = 6, 2, 32
+    prg = env.build("attention_seq", N_HEADS=heads, N_KV_HEADS=kvh, HEAD_DIM=dh, CAUSAL=causal)
+    lens = [1, 17, 5, 40]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(offsets[-1])
+    qw, kw = heads * dh, kvh * dh
+    ld = qw + 2 * kw
+    qkv = rng(400).standard_normal((t, ld)).astype(np.float32) * 3
+    ob = env.empty(t * qw * 4)
+    scale = 1.0 / np.sqrt(dh)
+    b = env.buf(qkv)
+    env.run(prg.attention_seq, (heads, t), None, b, i32(0), i32(ld), b, i32(qw), i32(ld),
+            b, i32(qw + kw), i32(ld), env.buf(offsets), i32(len(lens)), ob, i32(0), i32(qw),
+            i32(t), f32(scale))
+    x = qkv.astype(np.float64)
+    ref = np.zeros((t, heads, dh))
+    for s in range(len(lens)):
+        a, e = offsets[s], offsets[s + 1]
+        for i in range(a, e):
+            end = i + 1 if causal else e
+            for h in range(heads):
+                g = h // (heads // kvh)
+                q = x[i, h * dh:(h + 1) * dh]
+                k = x[a:end, qw + g * dh:qw + (g + 1) * dh]
+                v = x[a:end, qw + kw + g * dh:qw + kw + (g + 1) * dh]
+                sc = k @ q * scale
+                w = np.exp(sc - sc.max())
+                ref[i, h] = (w / w.sum()) @ v
+    assert_close(env.read(ob, (t, qw)), ref.reshape(t, -1), 1e-5)
+
+
+# ---------------------------------------------------------------- elementwise
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_erf(x):
+    from math import erf
+    return 0.5 * x * (1.0 + np.vectorize(erf)(x / np.sqrt(2.0)))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gated_activations(env, tanh):
+    f, t = 37, 3
+    prg = env.build("elementwise", F=f, GELU_TANH=tanh)
+    r = rng(500)
+    gu = (r.standard_normal((t, 2 * f)) * 4).astype(np.float32)
+    gu[0, :4] = [-100.0, 100.0, 0.0, -30.0]        # saturated sigmoids
+    g64, u64 = gu[:, :f].astype(np.float64), gu[:, f:].astype(np.float64)
+    act = gelu_tanh if tanh else gelu_erf
+    # fused halves of one [T, 2F] buffer -> separate output
+    ob = env.empty(t * f * 4)
+    b = env.buf(gu)
+    env.run(prg.silu_mul, (f, t), None, b, i32(0), i32(2 * f), b, i32(f), i32(2 * f),
+            ob, i32(0), i32(f), i32(t))
+    assert_close(env.read(ob, (t, f)), silu(g64) * u64, 1e-5)
+    env.run(prg.gelu_mul, (f, t), None, b, i32(0), i32(2 * f), b, i32(f), i32(2 * f),
+            ob, i32(0), i32(f), i32(t))
+    assert_close(env.read(ob, (t, f)), act(g64) * u64, 1e-5)
+    # separate buffers, output in place over the gate
+    gb, ub = env.buf(gu[:, :f]), env.buf(gu[:, f:])
+    env.run(prg.silu_mul, (f, t), None, gb, i32(0), i32(f), ub, i32(0), i32(f),
+            gb, i32(0), i32(f), i32(t))
+    assert_close(env.read(gb, (t, f)), silu(g64) * u64, 1e-5)
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gelu(env, tanh):
+    prg = env.build("elementwise", GELU_TANH=tanh)   # flat kernels need no F
+    n = 1000
+    x = (rng(501).standard_normal(n) * 4).astype(np.float32)
+    x[:3] = [-50.0, 50.0, 0.0]
+    xb = env.buf(x)
+    env.run(prg.gelu, (1024,), (64,), xb, xb, i32(n))
+    ref = (gelu_tanh if tanh else gelu_erf)(x.astype(np.float64))
+    assert_close(env.read(xb, n), ref, 1e-5)
+
+
+def test_add_mul_scale_add_bias(env):
+    f, t = 37, 5
+    prg = env.build("elementwise", F=f)
+    r = rng(502)
+    n = f * t
+    y = r.standard_normal(n).astype(np.float32)
+    x = r.standard_normal(n).astype(np.float32)
+    b = r.standard_normal(f).astype(np.float32)
+    yb, xb = env.buf(y), env.buf(x)
+    g = (-(-n // 16) * 16,)
+    env.run(prg.add, g, (16,), yb, xb, i32(n))
+    ref = y.astype(np.float64) + x
+    assert_close(env.read(yb, n), ref, 1e-6)
+    env.run(prg.mul, g, (16,), yb, xb, i32(n))
+    ref = ref * x
+    assert_close(env.read(yb, n), ref, 1e-6)
+    env.run(prg.scale, g, (16,), yb, i32(n), f32(-0.25))
+    ref = ref * -0.25
+    assert_close(env.read(yb, n), ref, 1e-6)
+    env.run(prg.add_bias, (f, t), None, yb, env.buf(b), i32(t))
+    ref = (ref.reshape(t, f) + b).reshape(-1)
+    assert_close(env.read(yb, n), ref, 1e-6)
+
+
+# ---------------------------------------------------------------- gather
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather(env, kind):
+    vocab, d = 50, 64
+    raw, ref_table = make_weights(kind, random_weights(600, vocab, d))
+    prg = env.build("gather", D=d, VOCAB=vocab, **{"TABLE_" + kind: True})
+    ids = np.array([3, 0, 49, 3, -1, 50, 17], np.int32)
+    t = len(ids)
+    ob = env.empty(t * d * 4)
+    env.run(prg.gather, (d, t), None, env.buf(raw), env.buf(ids), ob, i32(t), f32(2.5))
+    got = env.read(ob, (t, d))
+    ref = np.zeros((t, d))
+    ok = (ids >= 0) & (ids < vocab)
+    ref[ok] = ref_table[ids[ok]] * 2.5
+    assert_close(got, ref, REL[kind])
+    assert not got[~ok].any()                       # out-of-range ids give zeros
+
+
+# ---------------------------------------------------------------- pooling
+
+def test_mean_cls_pool_and_l2_normalize(env):
+    d = 37
+    prg = env.build("pool", D=d)
+    lens = [3, 1, 0, 7]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t, s = int(offsets[-1]), len(lens)
+    x = rng(700).standard_normal((t, d)).astype(np.float32)
+    xb, offb = env.buf(x), env.buf(offsets)
+    mb, cb = env.empty(s * d * 4), env.empty(s * d * 4)
+    env.run(prg.mean_pool, (d, s), None, xb, offb, mb, i32(s))
+    env.run(prg.cls_pool, (d, s), None, xb, offb, cb, i32(s))
+    mean_ref = np.zeros((s, d))
+    cls_ref = np.zeros((s, d))
+    for i in range(s):
+        a, e = offsets[i], offsets[i + 1]
+        if e > a:
+            mean_ref[i] = x[a:e].astype(np.float64).mean(axis=0)
+            cls_ref[i] = x[a]
+    assert_close(env.read(mb, (s, d)), mean_ref, 1e-6)
+    assert np.array_equal(env.read(cb, (s, d)), cls_ref.astype(np.float32))
+    # normalize the pooled rows in place; the empty sequence's zero row stays 0
+    env.run(prg.l2_normalize, (1, s), (1, 1), mb, mb, i32(s), f32(1e-12))
+    norms = np.linalg.norm(mean_ref, axis=1, keepdims=True)
+    ref = mean_ref / np.maximum(norms, 1e-12)
+    assert_close(env.read(mb, (s, d)), ref, 1e-6)
+
+
+def test_l2_normalize_work_group_lanes(env):
+    d, t, wg = 384, 4, 8
+    prg = env.build("pool", D=d, WG=wg)
+    x = rng(701).standard_normal((t, d)).astype(np.float32) * 100
+    yb = env.empty(x.nbytes)
+    env.run(prg.l2_normalize, (wg, t), (wg, 1), env.buf(x), yb, i32(t), f32(1e-12))
+    x64 = x.astype(np.float64)
+    assert_close(env.read(yb, (t, d)), x64 / np.linalg.norm(x64, axis=1, keepdims=True), 1e-6)
+
+
+# ---------------------------------------------------------------- argmax
+
+@pytest.mark.parametrize("d,wg", [(1000, 1), (1000, 4), (37, 1)])
+def test_argmax(env, d, wg):
+    prg = env.build("argmax", D=d, WG=wg)
+    t = 5
+    x = rng(d + wg).standard_normal((t, d + 2)).astype(np.float32)
+    x[1, :] = 0.0                                    # all tied: lowest index
+    # (column c holds row element c - 1: the row starts at x_off = 1)
+    x[2, 1 + np.array([9, 16, d - 1])] = 100.0       # tie: lower index in a later vector slot
+    x[3, 1 + (d - 1)] = 100.0                        # max in the last element
+    x[4, :] = -np.inf
+    x[4, 1 + d // 2] = -1e30
+    ob = env.empty(t * 4)
+    env.run(prg.argmax, (wg, t), (wg, 1), env.buf(x), i32(1), i32(d + 2), ob, i32(t))
+    got = env.read(ob, t, np.int32)
+    ref = np.argmax(x[:, 1:1 + d], axis=1)
+    assert list(got) == list(ref)
+
+
+# ---------------------------------------------------------------- catalogue
+
+def test_catalogue_lists_every_kernel():
+    """opencl/README.md has one row per kernel, naming its file."""
+    with open(os.path.join(OPENCL, "README.md")) as f:
+        readme = f.read()
+    found = set()
+    for name in sorted(os.listdir(OPENCL)):
+        if not name.endswith(".cl") or name == "common.cl":
+            continue
+        with open(os.path.join(OPENCL, name)) as f:
+            src = f.read()
+        for kernel in re.findall(r"__kernel\s+(?:__attribute__\(\(.*?\)\)\s*)?void\s+(\w+)", src, re.S):
+            found.add(kernel)
+            assert re.search(rf"\|\s*`{re.escape(name)}`\s*\|\s*`{kernel}`\s*\|", readme), \
+                f"README.md has no row for {name} {kernel}"
+    with open(os.path.join(OPENCL, "common.cl")) as f:
+        assert "__kernel" not in f.read(), "common.cl is prepended everywhere: helpers only"
+    assert {"matmul", "rms_norm", "layer_norm", "rope", "softmax", "kv_store", "attention",
+            "silu_mul", "gelu", "add", "mul", "scale", "add_bias", "gather", "mean_pool",
+            "cls_pool", "l2_normalize", "argmax"} <= found
