@@ -46,6 +46,7 @@ OPCODES = {
     23: ("ne", ""), 24: ("and", ""), 25: ("or", ""),
     32: ("let", "s"), 33: ("scratch", "sbb"), 34: ("for", "s"), 35: ("if", ""), 36: ("else", ""),
     37: ("end", ""), 38: ("launch", "sh"), 39: ("invoke", "sh"),
+    40: ("call", "sh"),  # unresolved: a part of a multi-file module, resolved when the parts merge
 }
 OPNUMS = {name: (num, layout) for num, (name, layout) in OPCODES.items()}
 
@@ -76,7 +77,7 @@ class _Writer:
     def code(self, code):
         out = [struct.pack("<I", len(code))]
         for ins in code:
-            op = "launch" if ins[0] == "call" else ins[0]  # unresolved calls never reach here after check
+            op = ins[0]
             num, layout = OPNUMS[op]
             out.append(bytes([num]))
             for letter, operand in zip(layout, ins[1:]):
@@ -243,8 +244,9 @@ class _Cursor:
             self.fail(f"{self.end - self.pos} unexpected trailing bytes")
 
 
-def read(data, source=None):
-    """.loombc bytes -> a checked Module, or LoomError."""
+def read(data, source=None, checked=True):
+    """.loombc bytes -> a checked Module, or LoomError. checked=False returns a
+    module part (see language.parse) whose references are checked once merged."""
     data = bytes(data)
     head = _Cursor(data, 0, len(data), None, source)
     if head.take(len(MAGIC)) != MAGIC:
@@ -378,7 +380,7 @@ def read(data, source=None):
             if decl.name in seen:
                 raise LoomError(f"{source or '.loombc'}: {kind} {decl.name!r} is declared twice")
             seen.add(decl.name)
-    return check(module, source)
+    return check(module, source) if checked else module
 
 
 # -- disassembly -----------------------------------------------------------------

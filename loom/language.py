@@ -246,7 +246,7 @@ class Parser:
         return _unquote(self.next())
 
     # module := 'module' NAME ('kind' NAME)? decl*
-    def module(self):
+    def module(self, checked=True):
         self.expect("module")
         module = Module(self.name("the module name"))
         if self.accept("kind"):
@@ -264,8 +264,7 @@ class Parser:
                                  f"found {tok.text!r}")
             self.next()
             parse(module, tok)
-        check(module, self.source)
-        return module
+        return check(module, self.source) if checked else module
 
     def declare(self, module, section, decl, tok):
         if module.find(section, decl.name) is not None:
@@ -551,9 +550,11 @@ def _offset(text, line, col):
     return sum(len(l) + 1 for l in lines[:line - 1]) + col - 1
 
 
-def parse(text, source=None):
-    """Parse .loom text into a checked Module."""
-    return Parser(text, source).module()
+def parse(text, source=None, checked=True):
+    """Parse .loom text into a checked Module. With checked=False the result is a
+    part of a multi-file module (say, config.loom beside advance.loombc): names it
+    uses from the other parts are resolved when the parts are merged and checked."""
+    return Parser(text, source).module(checked)
 
 
 # -- checking ----------------------------------------------------------------------
@@ -863,24 +864,48 @@ def _body_text(body, out):
         pending = []
 
 
+def merge(parts, names=None):
+    """One checked module from module parts: declarations join, names stay unique."""
+    merged = None
+    for n, module in enumerate(parts):
+        where = names[n] if names else f"part {n}"
+        if merged is None:
+            merged = module
+            continue
+        if module.kind not in (None, merged.kind):
+            raise LoomError(f"{where}: kind {module.kind} differs from {merged.kind}")
+        for section in ("specs", "params", "states", "kernels", "commands"):
+            for decl in getattr(module, section):
+                if merged.find(section, decl.name) is not None:
+                    raise LoomError(f"{where}: {section[:-1]} {decl.name!r} is also declared by another part")
+                getattr(merged, section).append(decl)
+        if module.policy is not None:
+            if merged.policy is not None:
+                raise LoomError(f"{where}: policy is also declared by another part")
+            merged.policy = module.policy
+    if merged is None:
+        raise LoomError("no sources")
+    return check(merged)
+
+
 # -- command line ------------------------------------------------------------------
 
-def load(path):
+def load(path, checked=True):
     """A module from .loom text or .loombc binary, by content."""
     with open(path, "rb") as f:
         data = f.read()
-    return load_bytes(data, path)
+    return load_bytes(data, path, checked)
 
 
-def load_bytes(data, path):
+def load_bytes(data, path, checked=True):
     from . import bytecode
     if data.startswith(bytecode.MAGIC):
-        return bytecode.read(data, source=path)
+        return bytecode.read(data, source=path, checked=checked)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise LoomError(f"not UTF-8 text at byte {e.start}", source=path) from None
-    return parse(text, path)
+    return parse(text, path, checked)
 
 
 def main(argv=None):
@@ -891,12 +916,19 @@ def main(argv=None):
     c = sub.add_parser("compile", help="compile .loom text to .loombc")
     c.add_argument("source")
     c.add_argument("-o", "--output", required=True)
-    sub.add_parser("check", help="parse and check a .loom or .loombc file").add_argument("source")
+    c.add_argument("--partial", action="store_true",
+                   help="a part of a multi-file module: names from the other parts are checked when they merge")
+    k = sub.add_parser("check", help="parse and check .loom or .loombc files (several: as one merged module)")
+    k.add_argument("source", nargs="+")
     sub.add_parser("format", help="print a module as canonical .loom text").add_argument("source")
     sub.add_parser("disassemble", help="print a module's sections and code").add_argument("source")
     args = ap.parse_args(argv)
     try:
-        module = load(args.source)
+        if args.cmd == "check":
+            module = merge([load(path, checked=False) for path in args.source], args.source)
+            args.source = " + ".join(args.source)
+        else:
+            module = load(args.source, checked=not getattr(args, "partial", False))
     except (LoomError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

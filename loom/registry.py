@@ -13,7 +13,7 @@ import re
 import threading
 import time
 
-from . import jsonin, runtime
+from . import jsonin, packages, runtime
 from .http import Deferred, HTTPError, Response
 from .jsonin import Arr, Bool, Enum, Int, Obj, Str
 
@@ -91,10 +91,16 @@ class Registration:
         self.removing = None        # "drain" | "abort" once unregistered
         self.deactivate_when_idle = False
         self.readers = set()        # Deferreds waiting for a staged variant's compilation
+        self.package = None         # an uploaded source package, retained until the model retires
+        self.loaded = []            # its members this registration's sources name: (path, bytes)
 
     def paths(self):
+        """(server source paths, checkpoint path); uploaded members are in self.loaded."""
         base = self.base_directory
-        sources = [runtime.resolve(base, s) for s in self.doc["sources"]]
+        if self.package is not None:
+            sources = [s for s in self.doc["sources"] if os.path.isabs(s)]
+        else:
+            sources = [runtime.resolve(base, s) for s in self.doc["sources"]]
         return sources, runtime.resolve(base, self.doc["checkpoint"])
 
     def components(self):
@@ -175,8 +181,9 @@ class Registry:
         return info
 
     # -- lifecycle -----------------------------------------------------------
-    def register(self, doc, base_directory):
-        """Validate and start preparing. `doc` is parsed JSON; raises HTTPError."""
+    def register(self, doc, base_directory=None, package=None):
+        """Validate and start preparing. `doc` is parsed JSON; `package` an uploaded
+        source package whose members relative sources name. Raises HTTPError."""
         try:
             doc = DOCUMENT.validate(doc)
         except jsonin.JSONInputError as e:
@@ -184,13 +191,28 @@ class Registry:
         if doc["model"] in self.registrations:
             raise HTTPError(409, f"model {doc['model']!r} is already registered", "duplicate_model", "model")
         base = doc.get("base_directory") or base_directory
-        if base is None or not os.path.isabs(base):
+        if base is not None and not os.path.isabs(base):
+            raise HTTPError(400, "base_directory must be an absolute path", "invalid_value", "base_directory")
+        relative = [doc["checkpoint"]] + ([] if package else doc["sources"])
+        if base is None and any(not os.path.isabs(p) for p in relative):
             raise HTTPError(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
+        loaded = []
+        if package is not None:
+            # Members are looked up now, so a missing one fails the request (422)
+            # instead of falling back to a server file of the same name.
+            for i, ref in enumerate(doc["sources"]):
+                where, data = package.read(ref, param=f"sources[{i}]")
+                if where == "package":
+                    loaded.append((package.resolve(ref)[1], data))
         reg = Registration(doc, base)
+        reg.package, reg.loaded = package, loaded
         self.registrations[reg.name] = reg
         log.info("registered %s (%s)", reg.name, reg.kind, extra={"event": "registered", "model": reg.name})
-        self.to_prepare.append(reg)
-        self._next_preparation()
+        if reg.admission == "drained":
+            reg.phase = "registered"   # preparation waits for admission to open
+        else:
+            self.to_prepare.append(reg)
+            self._next_preparation()
         return reg
 
     def _next_preparation(self):
@@ -219,7 +241,8 @@ class Registry:
             loop.call_soon_threadsafe(reg.progress.update, {"bytes_done": done, "bytes_total": total})
 
         def work():
-            return runtime.prepare(reg.name, sources, checkpoint, options, device, self.compiler, progress)
+            return runtime.prepare(reg.name, sources, checkpoint, options, device, self.compiler, progress,
+                                   loaded=reg.loaded)
 
         def finished(prepared, error):
             self.server.loop.call_soon(self._prepared, reg)
@@ -357,7 +380,7 @@ class Registry:
         if reg.phase == "failed":
             raise HTTPError(503, f"model {name!r} failed to prepare: {reg.error['message']}", "model_failed", "model")
         if reg.phase != "ready":
-            raise HTTPError(503, f"model {name!r} is still preparing", "model_not_ready", "model")
+            raise HTTPError(503, f"model {name!r} is {reg.phase}, not prepared yet", "model_not_ready", "model")
         return reg
 
     def enter(self, reg, job):
@@ -397,6 +420,10 @@ class Registry:
 
     def undrain(self, reg):
         reg.admission = "open"
+        if reg.phase == "registered":
+            reg.phase = "preparing"
+            self.to_prepare.append(reg)
+            self._next_preparation()
         self._open_gate(reg)
 
     def unregister(self, reg, mode):
@@ -478,11 +505,21 @@ def _component(reg, body):
     return component
 
 
-def register_model(server, request):
+def _document(request):
+    """The request JSON and, for multipart/form-data, the uploaded source package."""
     ctype = (request.header("content-type") or "").split(";")[0].strip().lower()
-    if ctype == "multipart/form-data":
-        raise HTTPError(501, "uploaded source packages are not supported yet", "not_implemented")
-    reg = server.registry.register(request.json(), None)
+    if ctype != "multipart/form-data":
+        return request.json(), None
+    package, raw = packages.from_form(request.form())
+    try:
+        return jsonin.loads(raw), package
+    except jsonin.JSONInputError as e:
+        raise HTTPError(400, f"request part: {e.message}", e.code, e.param) from None
+
+
+def register_model(server, request):
+    doc, package = _document(request)
+    reg = server.registry.register(doc, None, package)
     return Response.json(dict(reg.status(), object="registration"), 202)
 
 
@@ -621,10 +658,11 @@ def _header_int(text, header):
 
 
 def stage_variant(server, request):
-    ctype = (request.header("content-type") or "").split(";")[0].strip().lower()
-    if ctype == "multipart/form-data":
-        raise HTTPError(501, "uploaded source packages are not supported yet", "not_implemented")
-    body = request.json(STAGE)
+    doc, package = _document(request)
+    try:
+        body = STAGE.validate(doc)
+    except jsonin.JSONInputError as e:
+        raise HTTPError(400, e.message, e.code, e.param) from None
     reg = _variant_service(server, body["model"])
     base = _variant(server, reg, body["base"], "base")
     if base.phase != "ready":
@@ -632,13 +670,18 @@ def stage_variant(server, request):
     directory = body.get("base_directory")
     if directory is not None and not os.path.isabs(directory):
         raise HTTPError(400, "base_directory must be absolute", "invalid_value", "base_directory")
-    paths = []
-    for source in body["sources"]:
-        if not os.path.isabs(source) and directory is None:
+    paths, loaded = [], []
+    for i, source in enumerate(body["sources"]):
+        if package is not None and not os.path.isabs(source):
+            where, data = package.read(source, param=f"sources[{i}]")
+            loaded.append((package.resolve(source)[1], data))
+        elif not os.path.isabs(source) and directory is None:
             raise HTTPError(400, f"relative source {source!r} needs an absolute base_directory", "invalid_value",
                             "sources")
-        paths.append(runtime.resolve(directory, source) if directory else source)
-    return _stage(server, reg, base, paths, None, body.get("wait", True))
+        else:
+            paths.append(runtime.resolve(directory, source) if directory else source)
+    # Staging keeps the uploaded bytes only until its executables are built.
+    return _stage(server, reg, base, paths, loaded, body.get("wait", True))
 
 
 def _stage(server, reg, base, paths, loaded, wait):

@@ -41,27 +41,10 @@ class PrepareError(Exception):
 def load_module(paths, loaded=None):
     """One module from several source files (.loom or .loombc): their declarations
     merge. `loaded` supplies (name, bytes) pairs already in memory (uploads)."""
-    merged = None
     items = [(p, None) for p in paths] + list(loaded or [])
-    for path, data in items:
-        module = language.load(path) if data is None else language.load_bytes(data, path)
-        if merged is None:
-            merged = module
-            continue
-        if module.kind not in (None, merged.kind):
-            raise LoomError(f"{path}: kind {module.kind} differs from {merged.kind}")
-        for section in ("specs", "params", "states", "kernels", "commands"):
-            for decl in getattr(module, section):
-                if merged.find(section, decl.name) is not None:
-                    raise LoomError(f"{path}: {section[:-1]} {decl.name!r} is also declared by another source")
-                getattr(merged, section).append(decl)
-        if module.policy is not None:
-            if merged.policy is not None:
-                raise LoomError(f"{path}: policy is also declared by another source")
-            merged.policy = module.policy
-    if merged is None:
-        raise LoomError("no sources")
-    return language.check(merged)
+    parts = [language.load(path, checked=False) if data is None else language.load_bytes(data, path, checked=False)
+             for path, data in items]
+    return language.merge(parts, [path for path, _ in items])
 
 
 def _device_array(checkpoint, tensor, storage):
@@ -303,10 +286,11 @@ class ExecPlan:
         self.executables = []
 
 
-def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None):
-    """Everything that reads files or uploads weights; runs on a worker thread."""
+def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None):
+    """Everything that reads files or uploads weights; runs on a worker thread.
+    `loaded` holds (name, bytes) sources from an uploaded package."""
     try:
-        module = load_module(source_paths)
+        module = load_module(source_paths, loaded)
     except (LoomError, OSError) as e:
         raise PrepareError("source", str(e)) from None
     try:

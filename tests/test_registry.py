@@ -164,3 +164,101 @@ def test_device_trim(server):
     assert status == 200 and "memory" in body and body["device"]["type"] == "cpu"
     assert call(server, "/v1/devices/trim", {"device": 3, "target_bytes": 0})[0] == 404
     assert call(server, "/v1/devices/trim", {"device": 0})[0] == 400
+
+
+def test_drained_registration_defers_preparation(server):
+    assert call(server, "/v1/models/register", dict(server.doc, admission="drained"))[0] == 202
+    time.sleep(0.3)
+    reg = status_of(server, "m")
+    assert reg["phase"] == "registered" and "m" not in memory(server)["by_owner"]
+    assert call(server, "/v1/embeddings", {"model": "m", "input": [1]})[0] == 503
+    assert call(server, "/v1/models/activate", {"model": "m"})[0] == 409   # not a prepared registration
+    assert call(server, "/v1/models/undrain", {"model": "m"})[0] == 200
+    wait_phase(server, "m", "ready")
+    assert call(server, "/v1/embeddings", {"model": "m", "input": [1]})[0] == 200
+
+
+def split_package(tmp_path):
+    """affine.loom as two parts: config.loom (specs, params, policy) and advance.loombc (kernels, commands)."""
+    import subprocess
+    import sys
+    text = open(SOURCE).read()
+    head = "module affine kind embedding\n"
+    body = text[text.index("spec VOCAB"):]
+    config = head + body[:body.index("# out[t, :]")] + body[body.index("policy"):]
+    advance = head + body[body.index("# out[t, :]"):body.index("policy")]
+    (tmp_path / "config.loom").write_text(config)
+    (tmp_path / "advance.loom").write_text(advance)
+    out = subprocess.run([sys.executable, "-m", "loom.language", "compile", "--partial", str(tmp_path / "advance.loom"),
+                          "-o", str(tmp_path / "advance.loombc")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    checked = subprocess.run([sys.executable, "-m", "loom.language", "check", str(tmp_path / "config.loom"),
+                              str(tmp_path / "advance.loombc")], cwd=ROOT, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+def curl_form(server, path, *fields):
+    import subprocess
+    out = subprocess.run(["curl", "-sS", "-H", "Expect:", f"{server.url}{path}", *sum((["-F", f] for f in fields), [])],
+                         capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def test_register_and_stage_uploaded_packages_with_curl(server, tmp_path):
+    split_package(tmp_path)
+    (tmp_path / "register.json").write_text(json.dumps({
+        "model": "m", "kind": "embedding", "sources": ["config.loom", "advance.loombc"],
+        "checkpoint": "m.gguf", "base_directory": str(tmp_path), "variant_capacity": 4}))
+    body = curl_form(server, "/v1/models/register",
+                     f"request=@{tmp_path}/register.json;type=application/json;filename=model/register.json",
+                     f"file=@{tmp_path}/config.loom;filename=model/config.loom",
+                     f"file=@{tmp_path}/advance.loombc;filename=model/advance.loombc")
+    assert body["object"] == "registration", body
+    wait_phase(server, "m", "ready")
+    status, emb = call(server, "/v1/embeddings", {"model": "m", "input": [[4, 5]]})
+    np.testing.assert_allclose(emb["data"][0]["embedding"], reference(*server.expected, [[4, 5]])[0],
+                               atol=2e-5, rtol=1e-4)
+    # Stage a variant exactly as PROFILES.md shows: the request part names the package's files.
+    base = json.loads(server.request("GET", "/v1/models/variants", headers={"X-Loom-Model": "m"})[2])["selected"]
+    doubled = (tmp_path / "advance.loom").read_text().replace("1.0f / fmax", "2.0f / fmax")
+    (tmp_path / "advance2.loom").write_text(doubled)
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-m", "loom.language", "compile", "--partial", str(tmp_path / "advance2.loom"),
+                    "-o", str(tmp_path / "advance2.loombc")], cwd=ROOT, check=True)
+    (tmp_path / "candidate.json").write_text(json.dumps({"model": "m", "base": base,
+                                                         "sources": ["config.loom", "advance.loombc"]}))
+    staged = curl_form(server, "/v1/models/variants",
+                       f"request=@{tmp_path}/candidate.json;type=application/json;filename=model/candidate.json",
+                       f"file=@{tmp_path}/config.loom;filename=model/config.loom",
+                       f"file=@{tmp_path}/advance2.loombc;filename=model/advance.loombc")
+    assert staged["variant"]["phase"] == "ready", staged
+    call(server, "/v1/models/variants/select", {"model": "m", "variant": staged["variant"]["id"], "expected": base})
+    status, emb = call(server, "/v1/embeddings", {"model": "m", "input": [[4, 5]]})
+    np.testing.assert_allclose(emb["data"][0]["embedding"], 2 * reference(*server.expected, [[4, 5]])[0],
+                               atol=4e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fields,status,code", [
+    (["file=@{d}/config.loom;filename=model/config.loom"], 400, "missing_field"),
+    (["request=@{d}/r.json;filename=model/r.json", "file=@{d}/config.loom;filename=../config.loom"],
+     400, "invalid_filename"),
+    (["request=@{d}/r.json;filename=model/r.json", "file=@{d}/config.loom;filename=model/config.loom",
+      "file=@{d}/config.loom;filename=model/config.loom"], 400, "duplicate_file"),
+    (["request=@{d}/r.json;filename=model/r.json", "file=@{d}/config.loom;filename=model/config.loom"],
+     422, "missing_member"),
+    (["request=@{d}/r.json;filename=model/r.json", "other=@{d}/config.loom"], 400, "unknown_field"),
+])
+def test_package_rejections(server, tmp_path, fields, status, code):
+    split_package(tmp_path)
+    (tmp_path / "r.json").write_text(json.dumps({
+        "model": "m", "kind": "embedding", "sources": ["config.loom", "advance.loombc"],
+        "checkpoint": "m.gguf", "base_directory": str(tmp_path)}))
+    (tmp_path / "advance.loombc").rename(tmp_path / "elsewhere.loombc")  # never fall back to a server file
+    import subprocess
+    args = ["curl", "-sS", "-o", "/dev/stderr", "-w", "%{http_code}", "-H", "Expect:", f"{server.url}/v1/models/register"]
+    for f in fields:
+        args += ["-F", f.format(d=tmp_path)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert int(out.stdout) == status and json.loads(out.stderr)["error"]["code"] == code
+    assert status_of(server, "m") is None
