@@ -157,3 +157,30 @@ def test_variants_disabled_is_501_and_ids_never_recycle(server, tmp_path):
                                                 "variant_capacity": 2})[0] == 202
     wait_phase(server, "m", "ready")
     assert inventory(server)[1]["selected"] > first
+
+
+def test_unregister_withdraws_waiting_compilation_readers(thread_server, tmp_path):
+    write_gguf(tmp_path / "m.gguf", "F32", seed=1)
+    (tmp_path / "doubled.loom").write_text(DOUBLED)
+    ts = thread_server(device="cpu")
+    doc = {"model": "m", "kind": "embedding", "sources": [SOURCE], "checkpoint": "m.gguf",
+           "base_directory": str(tmp_path), "variant_capacity": 2}
+    assert call(ts, "/v1/models/register", doc)[0] == 202
+    wait_phase(ts, "m", "ready")
+    prepared = ts.server.registry.registrations["m"].prepared
+    original = prepared.compile_layout
+    # Hold the candidate's compilation so the reader is still waiting when the model is removed.
+    prepared.compile_layout = lambda *a: ts.server.loop.call_later(1.5, original, *a)
+    base = inventory(ts)[1]["selected"]
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(r=call(ts, "/v1/models/variants", {
+        "model": "m", "base": base, "base_directory": str(tmp_path), "sources": ["doubled.loom"]})))
+    reader.start()
+    time.sleep(0.5)
+    assert call(ts, "/v1/models/unregister", {"model": "m", "mode": "abort"})[0] == 202
+    reader.join(10)
+    status, body = result["r"]
+    assert status == 410 and body["error"]["code"] == "model_unregistered"
+    time.sleep(1.5)  # the held compilation still completes and is then dropped with the model
+    assert ts.call(lambda: "m" in ts.server.registry.registrations) is False
+    assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("m")) is None
