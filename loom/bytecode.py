@@ -104,6 +104,7 @@ def write(module):
         w.s(p.name) + (u8(1) + w.code(p.count) if p.count is not None else u8(0)) + u8(DTYPES.index(p.dtype))
         + u8(len(p.dims)) + b"".join(w.code(d) for d in p.dims)
         + u8(len(p.sources)) + b"".join(w.s(src) for src in p.sources)
+        + (u8(1) + w.code(p.when) if p.when is not None else u8(0))
         for p in module.params)
     sections[STATES] = u32(len(module.states)) + b"".join(
         w.s(s.name) + u8(DTYPES.index(s.dtype)) + (u8(1) + w.code(s.page) if s.page is not None else u8(0))
@@ -323,9 +324,10 @@ def read(data, source=None, checked=True):
         dtype = c.enum(DTYPES, "dtype")
         dims = [c.code() for _ in range(c.u8())]
         sources = [c.s() for _ in range(c.u8())]
+        when = c.code() if c.flag() else None
         if not dims or not sources:
             c.fail(f"param {name!r} needs dimensions and a source")
-        module.params.append(Param(name, count, dtype, dims, sources))
+        module.params.append(Param(name, count, dtype, dims, sources, when))
     c.done()
     c = cursor(STATES)
     for _ in range(c.count(8, "state")):
@@ -407,7 +409,8 @@ def disassemble(module):
     for p in module.params:
         count = f"[{expr_text(p.count)}]" if p.count else ""
         dims = ", ".join(expr_text(d) for d in p.dims)
-        out.append(f"  {p.name}{count} {p.dtype}[{dims}] <- {' | '.join(p.sources)}")
+        when = f" when {expr_text(p.when)}" if p.when else ""
+        out.append(f"  {p.name}{count} {p.dtype}[{dims}] <- {' | '.join(p.sources)}{when}")
     out.append(f"\nstates ({len(module.states)})")
     for s in module.states:
         page = f" paged({expr_text(s.page)})" if s.page else ""

@@ -89,6 +89,7 @@ class Param:
     dtype: str
     dims: list                  # code per dimension
     sources: list               # tensor name patterns ({i} = layer index) or, prefixed "=", another param
+    when: list | None = None    # code for a condition: the param exists only where it holds
 
 
 @dataclass
@@ -155,7 +156,7 @@ TOKEN = re.compile(r"""
 
 KEYWORDS = {"module", "kind", "spec", "param", "state", "kernel", "command", "policy", "let", "scratch",
             "for", "in", "if", "else", "and", "or", "not", "from", "source", "entry", "defines", "grid",
-            "local", "paged", "flag", "true", "false", "args"}
+            "local", "paged", "flag", "true", "false", "args", "when"}
 
 
 @dataclass
@@ -289,7 +290,8 @@ class Parser:
         sources = [self.source_ref()]
         while self.accept("|"):
             sources.append(self.source_ref())
-        self.declare(module, "params", Param(name, count, dtype, dims, sources), tok)
+        when = self.expr() if self.accept("when") else None
+        self.declare(module, "params", Param(name, count, dtype, dims, sources, when), tok)
 
     def source_ref(self):
         if self.peek().kind == "name":
@@ -576,7 +578,7 @@ def check(module, source=None):
     for p in module.params:
         if p.count is not None:
             _check_expr(p.count, specs, f"param {p.name}", fail)
-        for dim in p.dims:
+        for dim in p.dims + ([p.when] if p.when is not None else []):
             _check_expr(dim, specs, f"param {p.name}", fail)
         for src in p.sources:
             if src.startswith("=") and src[1:] not in params:
@@ -794,7 +796,8 @@ def format_module(module):
         count = f"[{expr_text(p.count)}]" if p.count is not None else ""
         sources = " | ".join(src[1:] if src.startswith("=") else json.dumps(src, ensure_ascii=False)
                              for src in p.sources)
-        out.append(f"param {p.name}{count} : {p.dtype} {_dims_text(p.dims)} = {sources}")
+        when = f" when {expr_text(p.when)}" if p.when is not None else ""
+        out.append(f"param {p.name}{count} : {p.dtype} {_dims_text(p.dims)} = {sources}{when}")
     if module.params:
         out.append("")
     for s in module.states:

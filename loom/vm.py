@@ -508,6 +508,8 @@ def bind(module, metadata, tensors, options=None, fmt=None):
     params = {}
     for p in module.params:
         scope = Scope(scope_names, builtins, f"param {p.name}")
+        if p.when is not None and not _truth(evaluate(p.when, scope), scope.where):
+            continue  # absent in this checkpoint's configuration; commands branch around it
         count = None if p.count is None else _int(evaluate(p.count, scope), scope.where)
         if count is not None and not 0 <= count <= 4096:
             raise LoomError(f"param {p.name}: layer count {count} out of range")
