@@ -60,6 +60,9 @@ class TensorInfo:
 
 # dtype -> (values per block, bytes per block); plain dtypes are 1-value blocks.
 BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18)}
+# Plain numeric safetensors dtypes that are readable but never weights by default:
+# real checkpoints carry buffers like BERT's int64 position_ids beside the weights.
+_NUMERIC = {"F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
 _QUANTIZED = ("Q8_0", "Q4_0")
 _INT64_MAX = 2**63 - 1
 
@@ -370,7 +373,7 @@ def _read_gguf(path: str) -> Checkpoint:
 
 # --- safetensors --------------------------------------------------------------
 
-_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, **{k: np.dtype(v).itemsize for k, v in _NUMERIC.items()}}
 _ST_MAX_HEADER = 100_000_000    # the format's own limit
 _ST_MAX_RANK = 8
 _ST_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
@@ -405,7 +408,7 @@ def _read_safetensors_file(path: str):
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
             if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
                 raise _fail(path, f"{where} has dtype {dtype!r}, which Loom does not support; "
-                                  f"supported: F32, F16, BF16")
+                                  f"supported: {', '.join(_ST_DTYPES)}")
             if not isinstance(shape, list) or len(shape) > _ST_MAX_RANK or not all(map(_is_uint, shape)):
                 raise _fail(path, f"{where} shape must be a list of at most {_ST_MAX_RANK} non-negative integers")
             if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_uint, offsets)):
@@ -545,12 +548,17 @@ class Checkpoint:
             return np.frombuffer(buf, item, t.nbytes // BLOCK_LAYOUT[t.dtype][1], t.offset).reshape(t.shape)
         if t.dtype == "BF16":
             return _bf16_to_f32(np.frombuffer(buf, "<u2", t.nbytes // 2, t.offset)).reshape(t.shape)
+        if t.dtype in _NUMERIC:
+            item = np.dtype(_NUMERIC[t.dtype])
+            return np.frombuffer(buf, item, t.nbytes // item.itemsize, t.offset).reshape(t.shape)
         rows = int(np.prod(t.shape[:-1], dtype=np.int64))
         return np.frombuffer(buf, np.uint8, t.nbytes, t.offset).reshape(rows, t.nbytes // rows)
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as a new float32 array of its shape, whatever its dtype."""
         t, _ = self._info(name)
+        if t.dtype in _NUMERIC:
+            return self.array(name).astype(np.float32)
         count = int(np.prod(t.shape, dtype=np.int64))
         return dequantize_blocks(self.raw(name), t.dtype, count).reshape(t.shape)
 
