@@ -3,10 +3,11 @@
 The package's stage contract (kind embedding): specs VOCAB (token ids are
 below it), DIM (the output width) and MAX_TOKENS (per input), and
 
-    command embed(ids: buf, offsets: buf, out: buf, T: int, S: int)
+    command embed(ids: buf, pos: buf, offsets: buf, out: buf, T: int, S: int)
 
-where ids holds the S inputs' tokens back to back (int32[T]), offsets their
-boundaries (int32[S + 1]) and out receives float32[S, DIM].
+where ids holds the S inputs' tokens back to back (int32[T]), pos each
+token's position within its input (int32[T]), offsets the inputs' boundaries
+(int32[S + 1]) and out receives float32[S, DIM].
 
 The request runs off the loop's critical path: its inputs are uploaded with
 non-blocking copies, the plan for its geometry is compiled (once) and
@@ -100,11 +101,12 @@ class Job:
         ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
         offsets = np.zeros(len(sequences) + 1, np.int32)
         np.cumsum([len(s) for s in sequences], out=offsets[1:])
+        pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
         self.geometry = {"T": int(ids.size), "S": len(sequences)}
         try:
             pool, queue = self.prepared.device.pool, self.prepared.device.queue
             dim = self.prepared.spec("DIM")
-            for name, array in (("ids", ids), ("offsets", offsets)):
+            for name, array in (("ids", ids), ("pos", pos), ("offsets", offsets)):
                 self.buffers[name] = pool.alloc(array.nbytes, reg.name, "workspace")
                 cl.enqueue_copy(queue, self.buffers[name].buffer, array, is_blocking=False)
                 self.host.append(array)

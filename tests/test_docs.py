@@ -28,3 +28,40 @@ def test_doc_examples_run(live_server, path, start, end, tmp_path):
                          timeout=120, env=dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + ":" + os.environ["PATH"]))
     assert out.returncode == 0, out.stderr
     assert '"error":{' not in out.stdout, out.stdout
+
+
+def test_language_doc_first_module_runs(tmp_path):
+    """The first example of docs/language.md is a working package."""
+    import numpy as np
+
+    from loom import runtime
+    from loom.compiler import Compiler
+    from loom.device import Device
+    from loom.weights import write_safetensors
+    text = open(os.path.join(ROOT, "docs", "language.md")).read()
+    source = re.search(r"```loom\n(# embed\.loom.*?)```", text, re.S).group(1)
+    (tmp_path / "embed.loom").write_text(source)
+    rng = np.random.default_rng(0)
+    table, proj, bias = (rng.standard_normal((40, 32)).astype(np.float32),
+                         rng.standard_normal((8, 32)).astype(np.float32), rng.standard_normal(8).astype(np.float32))
+    write_safetensors(tmp_path / "w.safetensors", {"embed.weight": table, "proj.weight": proj, "proj.bias": bias})
+    device = Device("cpu")
+
+    def submit(fn, done):
+        done(fn(), None)
+
+    prepared = runtime.prepare("doc", [str(tmp_path / "embed.loom")], str(tmp_path / "w.safetensors"), {},
+                               device, Compiler(device, submit))
+    inputs = [[1, 2, 3], [39]]
+    host = {"ids": np.array([1, 2, 3, 39], np.int32), "pos": np.array([0, 1, 2, 0], np.int32),
+            "offsets": np.array([0, 3, 4], np.int32)}
+    bufs = {k: device.pool.alloc(a.nbytes, "t", "workspace", host=a) for k, a in host.items()}
+    bufs["out"] = device.pool.alloc(2 * 8 * 4, "t", "workspace")
+    box = {}
+    prepared.plan_async("embed", {"T": 4, "S": 2}, lambda plan, error: box.update(plan=plan, error=error))
+    box["plan"].run(bufs).wait()
+    got = device.download(bufs["out"], np.float32, 16).reshape(2, 8)
+    want = np.array([table[i].mean(0) @ proj.T + bias for i in inputs])
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    prepared.release()

@@ -166,8 +166,8 @@ def random_weights(seed, n, k):
     if k % QK == 0:
         w[0, :QK] = 0.0                      # an all-zero block (d = 0)
         if n > 1:
-            w[n - 1, :QK] *= 0.001            # a tiny scale
-            w[n - 1, 3] = -5.0                # negative max |x| (Q4_0 sign path)
+            w[n - 1, :QK] *= 0.001            # one dominant negative element:
+            w[n - 1, 3] = -5.0                # Q4_0's signed max, most q near 8
     return w
 
 
@@ -265,6 +265,24 @@ def test_matmul_geometry_does_not_change_the_answer(env):
         results.append(got)
     for got in results[1:]:
         assert_close(got, results[0], 1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matmul_subnormal_scales(env, kind):
+    """Tiny weights: f16 values and block scales that are f16 subnormals."""
+    n, k = 6, 64
+    w = rng(31).standard_normal((n, k)).astype(np.float32) * np.float32(1e-4)
+    wraw, wref = make_weights(kind, w)
+    if kind == "F16":
+        halves = np.abs(wraw)
+    elif kind in ("Q8_0", "Q4_0"):
+        block = 34 if kind == "Q8_0" else 18
+        halves = np.abs(wraw.reshape(-1, block)[:, :2].copy().view(np.float16))
+    if kind != "F32":  # f16 subnormals: nonzero and below the smallest normal
+        assert ((halves > 0) & (halves < np.float16(6.104e-5))).mean() > 0.3
+    x = rng(32).standard_normal((3, k)).astype(np.float32)
+    got = run_matmul(env, kind, n, k, x, wraw, geometry=(1, 1, 8, 16))
+    assert_close(got, x.astype(np.float64) @ wref.T, REL[kind])
 
 
 def test_matmul_views_and_token_split(env):
