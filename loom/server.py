@@ -558,13 +558,17 @@ class Server:
                 listener.close()
             raise
         self.registry.ensure_device()  # logged and shown in /v1/status; a failure is reported, not fatal
-        if self.config.models:
-            try:
+        try:
+            if self.config.models:
                 self.registry.load_catalog(self.config.models)
-            except (OSError, ValueError):
-                for listener in self.listeners:
-                    listener.close()
-                raise
+            else:
+                from . import demo
+                for doc in demo.catalog():
+                    self.registry.register(doc).from_catalog = True
+        except (OSError, ValueError):
+            for listener in self.listeners:
+                listener.close()
+            raise
         for listener in self.listeners:
             self.loop.selector.register(listener.sock, selectors.EVENT_READ, listener.on_accept)
             log.info("listening on %s", listener.address, extra={"event": "listening", "address": listener.address})

@@ -125,8 +125,12 @@ class LiveServer(Endpoint):
         return self.proc.wait(timeout)
 
 
-def _start_live(tmp_path, flags):
+def _start_live(tmp_path, flags, default_catalog=False):
     unix_path = str(tmp_path / "loom.sock")
+    if not default_catalog and "--models" not in flags:
+        # Most tests need no models: an empty catalog keeps start-up light.
+        (tmp_path / "empty-catalog.json").write_text("[]")
+        flags = ("--models", str(tmp_path / "empty-catalog.json"), *flags)
     cmd = [sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{unix_path}", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -229,6 +233,9 @@ def thread_server(tmp_path):
     def start(extra_routes=(), **config):
         unix_path = str(tmp_path / f"t{len(started)}.sock")
         table = routes.Table(routes.ROUTES + list(extra_routes))
+        if "models" not in config:
+            (tmp_path / "empty-catalog.json").write_text("[]")
+            config["models"] = str(tmp_path / "empty-catalog.json")
         cfg = Config(listen=["tcp:127.0.0.1:0", f"unix:{unix_path}"], **config)
         server = Server(cfg, dispatch=lambda s, r: routes.dispatch(s, r, table))
         server.start()

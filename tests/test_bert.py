@@ -64,11 +64,8 @@ def reference(W, ids):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bert")
-    (tmp / "catalog.json").write_text(json.dumps([{
-        "model": "vectors", "kind": "embedding", "sources": [SOURCE], "checkpoint": MODEL_DIR,
-        "base_directory": str(tmp)}]))
-    srv = _start_live(tmp, ("--models", str(tmp / "catalog.json"), "--device", "cpu"))
+    """`python -m loom` with no --models: the embedded default catalog serves `vectors` on MiniLM."""
+    srv = _start_live(tmp_path_factory.mktemp("bert"), ("--device", "cpu"), default_catalog=True)
     yield srv
     srv.stop()
 
@@ -108,3 +105,8 @@ def test_batched_inputs_do_not_disturb_each_other(server, token_ids):
     alone = embed(server, [token_ids[5]])[0]
     together = embed(server, token_ids[:12])[5]
     np.testing.assert_allclose(alone, together, atol=1e-5)
+
+
+def test_default_catalog_lists_vectors(server):
+    models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
+    assert models["vectors"]["loom"]["kind"] == "embedding" and models["vectors"]["loom"]["dimensions"] == 384

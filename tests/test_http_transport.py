@@ -381,7 +381,9 @@ def test_stale_socket_replaced_but_regular_file_kept(tmp_path):
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(path)
     stale.close()  # leaves the file with no listener, like a crashed server
-    proc = subprocess.Popen([os.sys.executable, "-m", "loom", "--listen", f"unix:{path}"], cwd=ROOT,
+    (tmp_path / "empty.json").write_text("[]")
+    no_models = ["--models", str(tmp_path / "empty.json")]
+    proc = subprocess.Popen([os.sys.executable, "-m", "loom", "--listen", f"unix:{path}", *no_models], cwd=ROOT,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
@@ -398,7 +400,7 @@ def test_stale_socket_replaced_but_regular_file_kept(tmp_path):
         else:
             pytest.fail("server did not take over the stale socket")
         # A second server must not steal a live socket.
-        second = subprocess.run([os.sys.executable, "-m", "loom", "--listen", f"unix:{path}"], cwd=ROOT,
+        second = subprocess.run([os.sys.executable, "-m", "loom", "--listen", f"unix:{path}", *no_models], cwd=ROOT,
                                 capture_output=True, text=True, timeout=30)
         assert second.returncode == 2 and "another server is listening" in second.stderr
     finally:
@@ -406,7 +408,7 @@ def test_stale_socket_replaced_but_regular_file_kept(tmp_path):
         assert proc.wait(20) == 0
     regular = tmp_path / "notasocket"
     regular.write_text("keep me")
-    out = subprocess.run([os.sys.executable, "-m", "loom", "--listen", f"unix:{regular}"], cwd=ROOT,
+    out = subprocess.run([os.sys.executable, "-m", "loom", "--listen", f"unix:{regular}", *no_models], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "not a socket" in out.stderr and regular.read_text() == "keep me"
 

@@ -390,7 +390,8 @@ def test_rope(env, head_dim, neox, rope_dims):
     pos = np.array([0, 1, 17, 99, 42], np.int32)
     qkv_b, pos_b = env.buf(qkv), env.buf(pos)
     for heads, off in ((nq, 0), (nkv, nq * head_dim)):
-        prg = env.build("rope", N_HEADS=heads, HEAD_DIM=head_dim, ROPE_DIMS=rope_dims, ROPE_NEOX=neox)
+        prg = env.build("rope", N_HEADS=heads, HEAD_DIM=head_dim, ROPE_DIMS=rope_dims,
+                        ROPE_NEOX=neox, ROPE_NORMAL=not neox and rope_dims is None)
         env.run(prg.rope, (rd // 2, t), None, qkv_b, i32(off), i32(width), pos_b, i32(t),
                 f32(theta), f32(fs))
     got = env.read(qkv_b, qkv.shape)

@@ -1,0 +1,136 @@
+/* attention.cl - causal attention of new tokens over the paged KV cache
+ *
+ * For token t and query head h (kv head g = h / (N_HEADS / N_KV_HEADS)):
+ *   O[t, h, :] = sum_p softmax_p(scale * Q[t, h, :] . K[r, p, g, :]) V[r, p, g, :]
+ * over positions p of row r = row_of[t] from 0 (or pos[t] - WINDOW + 1) to
+ * pos[t] inclusive, reading K/V through the page table (layout: kv_store.cl).
+ * Tokens of one call may belong to different rows and positions (a prefill
+ * chunk of one row next to decode tokens of others); each token's own K/V (and
+ * those of earlier tokens of its chunk) must already be stored by kv_store.
+ *
+ * kernel attention(
+ *     const __global float *Q, int q_off, int ldq,   Q[t, h, d] = Q[q_off + t*ldq + h*HEAD_DIM + d]
+ *     const __global KV_T *Kc, const __global KV_T *Vc, int layer_off,   as in kv_store.cl
+ *     const __global int *pos,                       pos[T]
+ *     const __global int *row_of,                    row_of[T]
+ *     const __global int *page_table,                [R][MAX_PAGES]
+ *     __global float *O, int o_off, int ldo,         O[t, h, d] = O[o_off + t*ldo + h*HEAD_DIM + d]
+ *     int T,
+ *     float scale)                                   score scale, usually 1/sqrt(HEAD_DIM)
+ *
+ * Macros: N_HEADS, N_KV_HEADS, HEAD_DIM (multiple of 8), PAGE_SIZE, MAX_PAGES
+ *   (required); KV_F16 (cache holds half); WINDOW (sliding window length).
+ * Launch: global = (N_HEADS, T), local = (L, 1) with L dividing N_HEADS, e.g.
+ *   N_HEADS / N_KV_HEADS so one work-group shares its kv head's pages in cache.
+ *
+ * One pass with an online softmax, a page at a time: scores of the page's
+ * positions, one rescale of the running sum and output per page, then the
+ * weighted values. The running max starts at -FLT_MAX (not -inf) so the first
+ * rescale is exp(-huge) = 0, never inf - inf. A token with an invalid position
+ * (< 0 or beyond the page table) gets zeros; pages with a negative id are
+ * skipped. Both are caller errors the kernel only keeps in bounds.
+ */
+
+#ifndef N_HEADS
+#error "attention.cl: define N_HEADS"
+#endif
+#ifndef N_KV_HEADS
+#error "attention.cl: define N_KV_HEADS"
+#endif
+#ifndef HEAD_DIM
+#error "attention.cl: define HEAD_DIM"
+#endif
+#ifndef PAGE_SIZE
+#error "attention.cl: define PAGE_SIZE"
+#endif
+#ifndef MAX_PAGES
+#error "attention.cl: define MAX_PAGES (page-table row length)"
+#endif
+#if N_HEADS % N_KV_HEADS != 0 || HEAD_DIM % 8 != 0
+#error "attention.cl: N_HEADS must be a multiple of N_KV_HEADS and HEAD_DIM of 8"
+#endif
+
+#ifdef KV_F16
+#define KV_T half
+#define LDKV(p) loom_ldh8(p)
+#else
+#define KV_T float
+#define LDKV(p) loom_ld_float8(p)
+#endif
+#define KV_ROW (N_KV_HEADS * HEAD_DIM)
+#define GROUP (N_HEADS / N_KV_HEADS)
+#define HD8 (HEAD_DIM / 8)
+
+__kernel void attention(const __global float *Q, int q_off, int ldq,
+                        const __global KV_T *Kc, const __global KV_T *Vc, int layer_off,
+                        const __global int *pos, const __global int *row_of,
+                        const __global int *page_table,
+                        __global float *O, int o_off, int ldo,
+                        int T, float scale)
+{
+    const int h = get_global_id(0), t = get_global_id(1);
+    if (h >= N_HEADS || t >= T)
+        return;
+    const int g = h / GROUP;
+    int last = pos[t];
+    if (last >= MAX_PAGES * PAGE_SIZE)
+        last = -1;
+    int first = 0;
+#ifdef WINDOW
+    first = last - WINDOW + 1 > 0 ? last - WINDOW + 1 : 0;
+#endif
+    const __global int *pt = page_table + (size_t)row_of[t] * MAX_PAGES;
+
+    float8 qv[HD8], av[HD8];
+    const __global float *q = Q + q_off + (size_t)t * ldq + h * HEAD_DIM;
+    #pragma unroll
+    for (int c = 0; c < HD8; c++) {
+        qv[c] = loom_ld_float8(q + 8 * c) * scale;
+        av[c] = (float8)(0.0f);
+    }
+    float m = -FLT_MAX, l = 0.0f;
+
+    for (int p0 = first; p0 <= last;) {
+        const int pg = p0 / PAGE_SIZE;
+        const int end = (pg + 1) * PAGE_SIZE < last + 1 ? (pg + 1) * PAGE_SIZE : last + 1;
+        const int n = end - p0;
+        const int page = pt[pg];
+        p0 = end;
+        if (page < 0)   /* unmapped page: skipped rather than read out of bounds */
+            continue;
+        const size_t base = (size_t)layer_off + ((size_t)page * PAGE_SIZE + (end - n) % PAGE_SIZE) * KV_ROW + g * HEAD_DIM;
+        const __global KV_T *kp = Kc + base;
+        const __global KV_T *vp = Vc + base;
+
+        float s[PAGE_SIZE];
+        float bm = -FLT_MAX;
+        for (int j = 0; j < n; j++) {
+            float8 d = (float8)(0.0f);
+            #pragma unroll
+            for (int c = 0; c < HD8; c++)
+                d += qv[c] * LDKV(kp + (size_t)j * KV_ROW + 8 * c);
+            s[j] = loom_hsum8(d);
+            bm = s[j] > bm ? s[j] : bm;
+        }
+        const float mn = bm > m ? bm : m;
+        const float corr = loom_exp(m - mn);
+        l *= corr;
+        #pragma unroll
+        for (int c = 0; c < HD8; c++)
+            av[c] *= corr;
+        for (int j = 0; j < n; j++) {
+            const float pj = loom_exp(s[j] - mn);
+            l += pj;
+            #pragma unroll
+            for (int c = 0; c < HD8; c++)
+                av[c] += pj * LDKV(vp + (size_t)j * KV_ROW + 8 * c);
+        }
+        m = mn;
+    }
+
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    __global float *o = O + o_off + (size_t)t * ldo + h * HEAD_DIM;
+    #pragma unroll
+    for (int c = 0; c < HD8; c++)
+        loom_st_float8(av[c] * inv, o + 8 * c);
+}

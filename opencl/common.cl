@@ -1,0 +1,253 @@
+/* common.cl - shared helpers, prepended by the compiler to every opencl/NAME.cl.
+ *
+ * Only helpers live here: no kernels, no required macros, and every name is
+ * prefixed loom_ / LOOM_ so kernel files stay free to use short names.
+ *
+ * f16 is a storage format only (PoCL on the CPU has no cl_khr_fp16): half data
+ * is read through these helpers and computed in f32.
+ *
+ * Quantized blocks are the raw ggml layouts, addressed as bytes:
+ *   Q8_0: 34 bytes = f16 scale d, 32 x int8 q;           value = d * q
+ *   Q4_0: 18 bytes = f16 scale d, 16 bytes of nibbles;   byte j holds element j
+ *         in its low nibble and element j + 16 in its high nibble; value = d * (q - 8)
+ * Blocks start at even byte offsets.
+ *
+ * Why not the builtins on CPUs: PoCL 3.0 here inlines no builtin function
+ * (vloadN, vload_half, min/max, exp, sqrt...): each is a call that spills every
+ * vector register, and vload_half is a scalar software conversion. On CPU
+ * targets (where unaligned vector loads are cheap) the helpers below load
+ * through packed structs, convert f16 with integer ops and compute exp with an
+ * inline polynomial, which compile to plain vector code. Other targets (GPUs)
+ * use the builtins; define LOOM_USE_BUILTINS to force them anywhere. Kernels
+ * keep builtin calls (and min/max, fmax...) out of their hot loops.
+ */
+
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi" /* float16 on AVX2-tuned targets: an ABI note, harmless */
+#endif
+
+#if !defined(LOOM_USE_BUILTINS) && !(defined(__x86_64__) || defined(__i386__) || defined(__aarch64__))
+#define LOOM_USE_BUILTINS 1
+#endif
+
+#define LOOM_CAT_(a, b) a##b
+#define LOOM_CAT(a, b) LOOM_CAT_(a, b)
+
+#define LOOM_QK 32          /* elements per quantized block */
+#define LOOM_Q8_0_BYTES 34
+#define LOOM_Q4_0_BYTES 18
+
+/* ---- horizontal sums: accumulators stay vectors in hot loops, reduced once ---- */
+inline float loom_hsum4(float4 v) { return (v.s0 + v.s1) + (v.s2 + v.s3); }
+inline float loom_hsum8(float8 v) { return loom_hsum4(v.lo + v.hi); }
+inline float loom_hsum16(float16 v) { return loom_hsum8(v.lo + v.hi); }
+
+/* ---- exp without a library call (Cephes expf: ~1 ulp on [-87, 88]) ----
+ * Inputs below -87.3 (and -inf) give exactly 0 (no subnormal results); above
+ * 88 give ~1.7e38, not inf: callers use it for softmax weights and sigmoids,
+ * where that is harmless. NaN gives NaN. */
+#ifndef LOOM_USE_BUILTINS
+#define LOOM_DEF_EXP(T, IT, AS_T, AS_IT)                                         \
+    inline T loom_exp_##T(T x0)                                                  \
+    {                                                                            \
+        T x = x0 < -87.3f ? (T)(-87.3f) : x0;                                    \
+        x = x > 88.0f ? (T)(88.0f) : x;                                          \
+        /* n = round(x / ln2) via the 1.5 * 2^23 trick; r = x - n ln2 */          \
+        T t = x * 1.44269504089f + 12582912.0f;                                  \
+        IT n = AS_IT(t) - 0x4B400000;                                            \
+        T nf = t - 12582912.0f;                                                  \
+        T r = x - nf * 0.693359375f + nf * 2.12194440e-4f;                       \
+        T p = 1.9875691500e-4f;                                                  \
+        p = p * r + 1.3981999507e-3f;                                            \
+        p = p * r + 8.3334519073e-3f;                                            \
+        p = p * r + 4.1665795894e-2f;                                            \
+        p = p * r + 1.6666665459e-1f;                                            \
+        p = p * r + 5.0000001201e-1f;                                            \
+        p = p * r * r + r + 1.0f;                                                \
+        p = p * AS_T((n + 127) << 23);                                           \
+        return x0 < -87.3f ? (T)(0.0f) : (x0 != x0 ? x0 : p);                     \
+    }
+LOOM_DEF_EXP(float, int, as_float, as_int)
+LOOM_DEF_EXP(float8, int8, as_float8, as_int8)
+#define loom_exp(x) loom_exp_float(x)
+#define loom_exp8(x) loom_exp_float8(x)
+
+/* erf, Abramowitz & Stegun 7.1.26: absolute error < 1.5e-7. */
+inline float loom_erf(float x)
+{
+    float a = x < 0.0f ? -x : x;
+    float t = 1.0f / (1.0f + 0.3275911f * a);
+    float p = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t;
+    float y = 1.0f - p * loom_exp(-a * a);
+    return x < 0.0f ? -y : y;
+}
+#else
+#define loom_exp(x) exp(x)
+#define loom_exp8(x) exp(x)
+#define loom_erf(x) erf(x)
+#endif
+
+/* ---- work-group reductions for row kernels with WG lanes (WG > 1 only) ----
+ * Every lane gets the same result, summed in lane order (deterministic).
+ * scratch: __local float[WG] declared by the kernel. */
+inline float loom_wg_sum(float v, __local float *scratch, int lane, int wg)
+{
+    scratch[lane] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float s = 0.0f;
+    for (int i = 0; i < wg; i++)
+        s += scratch[i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return s;
+}
+inline float loom_wg_max(float v, __local float *scratch, int lane, int wg)
+{
+    scratch[lane] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float m = scratch[0];
+    for (int i = 1; i < wg; i++)
+        m = scratch[i] > m ? scratch[i] : m;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return m;
+}
+
+/* ---- f16 bits -> f32 (exact, including subnormals, inf and nan) ---- */
+inline float loom_h2f(ushort h)
+{
+    uint x = h, em = x & 0x7fffu;
+    /* exponent rebias by multiplying: also normalizes subnormals */
+    float f = as_float(em << 13) * 0x1p112f;
+    if (em >= 0x7c00u)
+        f = as_float(0x7f800000u | (em << 13));
+    return as_float(as_uint(f) | ((x & 0x8000u) << 16));
+}
+
+/* Vector f16 -> f32 for finite data (weights, KV cache): exact for normals,
+ * subnormals and zeros in 4 vector ops (sign-extend, shift, mask, multiply);
+ * inf and nan come out finite (+-65536 and up), unlike loom_h2f. */
+#define LOOM_DEF_H2F(n)                                                          \
+    inline LOOM_CAT(float, n) LOOM_CAT(loom_h2f, n)(LOOM_CAT(short, n) h)        \
+    {                                                                            \
+        /* sign-extended, shifted: bit 31 = sign, bits 27..13 = exponent and     \
+         * mantissa; the multiply rebiases the exponent (and normalizes        \
+         * subnormals) */                                                        \
+        LOOM_CAT(uint, n) x = LOOM_CAT(as_uint, n)(LOOM_CAT(convert_int, n)(h)) << 13; \
+        return LOOM_CAT(as_float, n)(x & 0x8FFFE000u) * 0x1p112f;               \
+    }
+LOOM_DEF_H2F(4)
+LOOM_DEF_H2F(8)
+LOOM_DEF_H2F(16)
+
+/* ---- element-aligned vector loads/stores ---- */
+#ifndef LOOM_USE_BUILTINS
+#define LOOM_DEF_LD(T, n)                                                        \
+    typedef struct __attribute__((packed)) { LOOM_CAT(T, n) v; } LOOM_CAT(loom_u_##T, n); \
+    inline LOOM_CAT(T, n) LOOM_CAT(loom_ld_##T, n)(const __global T *p)          \
+    {                                                                            \
+        return ((const __global LOOM_CAT(loom_u_##T, n) *)p)->v;                 \
+    }                                                                            \
+    inline void LOOM_CAT(loom_st_##T, n)(LOOM_CAT(T, n) v, __global T *p)        \
+    {                                                                            \
+        ((__global LOOM_CAT(loom_u_##T, n) *)p)->v = v;                          \
+    }
+#else
+#define LOOM_DEF_LD(T, n)                                                        \
+    inline LOOM_CAT(T, n) LOOM_CAT(loom_ld_##T, n)(const __global T *p)          \
+    {                                                                            \
+        return LOOM_CAT(vload, n)(0, p);                                         \
+    }                                                                            \
+    inline void LOOM_CAT(loom_st_##T, n)(LOOM_CAT(T, n) v, __global T *p)        \
+    {                                                                            \
+        LOOM_CAT(vstore, n)(v, 0, p);                                            \
+    }
+#endif
+LOOM_DEF_LD(float, 4)
+LOOM_DEF_LD(float, 8)
+LOOM_DEF_LD(float, 16)
+LOOM_DEF_LD(short, 4)
+LOOM_DEF_LD(short, 8)
+LOOM_DEF_LD(short, 16)
+LOOM_DEF_LD(char, 4)
+LOOM_DEF_LD(char, 8)
+LOOM_DEF_LD(char, 16)
+LOOM_DEF_LD(uchar, 4)
+LOOM_DEF_LD(uchar, 8)
+LOOM_DEF_LD(uchar, 16)
+
+/* f16 storage -> f32: loom_ldh(p) scalar (exact, inf/nan too), loom_ldhN(p)
+ * N consecutive (finite data only, see loom_h2fN). */
+#ifndef LOOM_USE_BUILTINS
+inline float loom_ldh(const __global half *p) { return loom_h2f(*(const __global ushort *)p); }
+inline float4 loom_ldh4(const __global half *p) { return loom_h2f4(loom_ld_short4((const __global short *)p)); }
+inline float8 loom_ldh8(const __global half *p) { return loom_h2f8(loom_ld_short8((const __global short *)p)); }
+inline float16 loom_ldh16(const __global half *p) { return loom_h2f16(loom_ld_short16((const __global short *)p)); }
+#else
+inline float loom_ldh(const __global half *p) { return vload_half(0, p); }
+inline float4 loom_ldh4(const __global half *p) { return vload_half4(0, p); }
+inline float8 loom_ldh8(const __global half *p) { return vload_half8(0, p); }
+inline float16 loom_ldh16(const __global half *p) { return vload_half16(0, p); }
+#endif
+
+/* f32 -> f16 storage (round to nearest even). Only used off the hot paths. */
+inline void loom_sth(float v, __global half *p) { vstore_half_rte(v, 0, p); }
+
+/* ---- quantized blocks ---- */
+
+/* The f16 scale at the start of a block. */
+inline float loom_block_scale(const __global uchar *blk)
+{
+    return loom_ldh((const __global half *)blk);
+}
+
+/* The block scale when it is known finite (weights): exact for normals,
+ * subnormals and zero, cheaper than loom_h2f in hot loops (inf/nan scales
+ * come out as large finite numbers). */
+inline float loom_block_scale_finite(const __global uchar *blk)
+{
+    uint u = (uint)(*(const __global ushort *)blk) << 16;
+    return as_float((u & 0x80000000u) | ((u & 0x7fff0000u) >> 3)) * 0x1p112f;
+}
+
+/* Q8_0: elements [off, off + n) of one block as float, not yet scaled. */
+#define LOOM_DEF_Q8(n)                                                           \
+    inline LOOM_CAT(float, n) LOOM_CAT(loom_q8_0_q, n)(const __global uchar *blk, int off) \
+    {                                                                            \
+        return LOOM_CAT(convert_float, n)(LOOM_CAT(loom_ld_char, n)((const __global char *)(blk + 2 + off))); \
+    }
+LOOM_DEF_Q8(4)
+LOOM_DEF_Q8(8)
+LOOM_DEF_Q8(16)
+
+/* Q4_0: elements [off, off + n) of one block (off a multiple of n): the raw
+ * nibbles q as float (loom_q4_0_uN; callers fold the -8 into an fma) or q - 8
+ * (loom_q4_0_qN), not yet scaled. Elements 0..15 are the low nibbles of bytes
+ * 0..15, elements 16..31 the high nibbles of the same bytes. off is a constant
+ * in hot loops, so the select folds away. */
+#define LOOM_DEF_Q4(n)                                                           \
+    inline LOOM_CAT(float, n) LOOM_CAT(loom_q4_0_u, n)(const __global uchar *blk, int off) \
+    {                                                                            \
+        LOOM_CAT(uchar, n) b = LOOM_CAT(loom_ld_uchar, n)(blk + 2 + (off & 15)); \
+        return LOOM_CAT(convert_float, n)(off < 16 ? (b & (uchar)15) : (b >> (uchar)4)); \
+    }                                                                            \
+    inline LOOM_CAT(float, n) LOOM_CAT(loom_q4_0_q, n)(const __global uchar *blk, int off) \
+    {                                                                            \
+        return LOOM_CAT(loom_q4_0_u, n)(blk, off) - 8.0f;                        \
+    }
+LOOM_DEF_Q4(4)
+LOOM_DEF_Q4(8)
+LOOM_DEF_Q4(16)
+
+/* Scalar element i of a quantized row (slow path: tails, odd sizes). */
+inline float loom_q8_0_at(const __global uchar *row, int i)
+{
+    const __global uchar *blk = row + (size_t)(i / LOOM_QK) * LOOM_Q8_0_BYTES;
+    return loom_block_scale(blk) * (float)((const __global char *)blk)[2 + i % LOOM_QK];
+}
+inline float loom_q4_0_at(const __global uchar *row, int i)
+{
+    const __global uchar *blk = row + (size_t)(i / LOOM_QK) * LOOM_Q4_0_BYTES;
+    int j = i % LOOM_QK;
+    uchar b = blk[2 + (j & 15)];
+    int q = j < 16 ? (b & 15) : (b >> 4);
+    return loom_block_scale(blk) * (float)(q - 8);
+}
