@@ -51,7 +51,13 @@ def _device_array(checkpoint, tensor, storage):
     """The bytes a param holds on the device, from its checkpoint tensor."""
     info = checkpoint.tensors[tensor]
     if storage in ("Q8_0", "Q4_0"):
-        return np.frombuffer(checkpoint.raw(tensor), np.uint8)
+        raw = np.frombuffer(checkpoint.raw(tensor), np.uint8)
+        block = 34 if storage == "Q8_0" else 18
+        scales = raw.reshape(-1, block)[:, :2].copy().view(np.float16)
+        if not np.isfinite(scales).all():
+            # The kernels decode blocks without checks: an inf/NaN scale would read back as garbage.
+            raise PrepareError("weights", f"tensor {tensor!r} has non-finite block scales")
+        return raw
     if storage == "F32":
         return checkpoint.array(tensor).astype(np.float32, copy=False) if info.dtype == "F32" \
             else checkpoint.dequantize(tensor)

@@ -234,3 +234,25 @@ def test_deactivate_activate_and_pinning(thread_server, tmp_path):
     assert ts.call(lambda: pool.usage()["by_owner"]["m"]["params"]) == params
     ts.call(ts.server.registry.close)
     assert ts.call(lambda: pool.usage()["used"]) == 0  # everything the model held is back
+
+
+def test_non_finite_block_scales_fail_preparation(thread_server, tmp_path):
+    raw, _ = q8_0(np.ones((DIM, D), np.float32))
+    raw[0, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)   # the first block's scale
+    embd, _, bias = make_weights(0)
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "affine")
+    w.add_tensor("token_embd.weight", embd)
+    w.add_tensor("proj.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("proj.bias", bias)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ts = thread_server(device="cpu")
+    reg = ts.call(ts.server.registry.register, {"model": "bad", "kind": "embedding", "sources": [
+        os.path.join(PACKAGE, "affine.loom")], "checkpoint": str(tmp_path / "bad.gguf")})
+    deadline = time.monotonic() + 30
+    while ts.call(lambda: reg.phase) == "preparing" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reg.phase == "failed" and reg.error["code"] == "weights" and "non-finite" in reg.error["message"]
+    assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("bad")) is None
