@@ -16,7 +16,7 @@ worker thread waits for the device so the loop never does.
 """
 
 import base64
-import time
+import collections
 
 import numpy as np
 import pyopencl as cl
@@ -71,18 +71,20 @@ def create(server, request):
     return job.deferred
 
 
+COHORT_TOKENS = 8192   # a cohort closes at this many tokens...
+COHORT_INPUTS = 256    # ...or inputs; a request larger than that runs as a cohort of its own
+
+
 class Job:
-    """One request's trip through the device."""
+    """One request: admission, its share of a cohort, its response."""
 
     def __init__(self, server, reg, request, sequences, encoding):
         self.server, self.reg, self.request = server, reg, request
-        self.prepared = reg.prepared
         self.sequences = sequences
+        self.tokens = sum(len(s) for s in sequences)
         self.encoding = encoding
         self.deferred = Deferred()
         self.deferred.on_cancel = self.cancelled
-        self.buffers = {}
-        self.host = []           # host arrays kept alive until their copies complete
         self.gone = False        # the client left, or the response was already settled
         self.acquired = False
         request.state = "queued"
@@ -92,61 +94,22 @@ class Job:
         self.acquired = error is None
         if error is not None:
             self.finish(error=error)
-            return
-        if self.gone:
+        elif self.gone:
             self.finish()
-            return
-        self.request.state = "running"
-        sequences, reg = self.sequences, self.reg
-        ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
-        offsets = np.zeros(len(sequences) + 1, np.int32)
-        np.cumsum([len(s) for s in sequences], out=offsets[1:])
-        pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
-        self.geometry = {"T": int(ids.size), "S": len(sequences)}
-        try:
-            pool, queue = self.prepared.device.pool, self.prepared.device.queue
-            dim = self.prepared.spec("DIM")
-            for name, array in (("ids", ids), ("pos", pos), ("offsets", offsets)):
-                self.buffers[name] = pool.alloc(array.nbytes, reg.name, "workspace")
-                cl.enqueue_copy(queue, self.buffers[name].buffer, array, is_blocking=False)
-                self.host.append(array)
-            self.buffers["out"] = pool.alloc(4 * len(sequences) * dim, reg.name, "workspace")
-        except Exception as e:
-            self.finish(error=e)
-            return
-        self.prepared.plan_async("embed", self.geometry, self.planned)
+        else:
+            batcher(self.server, self.reg).add(self)
 
-    def planned(self, plan, error):
-        if error is not None:
-            self.finish(error=error)
-            return
-        if self.gone:
-            self.finish()
-            return
-        self.request.state = "running"
-        plan.run(self.buffers)
-        dim = self.prepared.spec("DIM")
-        transfer = self.prepared.device.download_async(self.buffers["out"], np.float32,
-                                                       self.geometry["S"] * dim)
-        self.server.loop.run_in_executor(transfer.wait, self.downloaded)
-
-    def downloaded(self, values, error):
-        if error is not None:
-            self.finish(error=error)
-            return
-        dim = self.prepared.spec("DIM")
-        values = values.reshape(self.geometry["S"], dim)
+    def deliver(self, rows):
         data = []
-        for i, row in enumerate(values):
+        for i, row in enumerate(rows):
             embedding = (base64.b64encode(row.astype("<f4").tobytes()).decode() if self.encoding == "base64"
                          else [float(x) for x in row])
             data.append({"object": "embedding", "index": i, "embedding": embedding})
-        tokens = self.geometry["T"]
         self.finish(Response.json({"object": "list", "data": data, "model": self.reg.name,
-                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+                                   "usage": {"prompt_tokens": self.tokens, "total_tokens": self.tokens}}))
 
     def cancelled(self):
-        """The client disconnected: leave the queue, or let accepted work retire."""
+        """The client disconnected: leave the queue; a cohort it joined runs on for its peers."""
         self.gone = True
         self.server.registry.withdraw(self.reg, self)
 
@@ -157,10 +120,6 @@ class Job:
             self.deferred.resolve(error.response())
 
     def finish(self, response=None, error=None):
-        for buf in self.buffers.values():
-            buf.release()
-        self.buffers = {}
-        self.host = []
         self.server.registry.leave(self.reg, self, self.acquired)
         self.acquired = False
         if error is not None:
@@ -169,3 +128,106 @@ class Job:
                                  "device_memory" if status == 503 else "execution_failed").response()
         if not self.gone:
             self.deferred.resolve(response)
+
+
+def batcher(server, reg):
+    if getattr(reg, "batcher", None) is None:
+        reg.batcher = Batcher(server, reg)
+    return reg.batcher
+
+
+class Batcher:
+    """Dynamic batching: requests that arrive while a cohort runs form the next
+    one, so clients share device steps without waiting for each other to start."""
+
+    def __init__(self, server, reg):
+        self.server, self.reg = server, reg
+        self.queue = collections.deque()
+        self.running = False
+        self.cohorts = 0         # for /v1/status: how much sharing happens
+        self.requests = 0
+
+    def add(self, job):
+        self.queue.append(job)
+        if not self.running:
+            self.running = True
+            self.server.loop.call_soon(self.flush)  # same-tick arrivals join this cohort
+
+    def flush(self):
+        jobs, tokens, inputs = [], 0, 0
+        while self.queue:
+            job = self.queue[0]
+            if job.gone:
+                self.queue.popleft().finish()
+                continue
+            if jobs and (tokens + job.tokens > COHORT_TOKENS or inputs + len(job.sequences) > COHORT_INPUTS):
+                break
+            jobs.append(self.queue.popleft())
+            tokens += job.tokens
+            inputs += len(job.sequences)
+        if not jobs:
+            self.running = False
+            return
+        self.cohorts += 1
+        self.requests += len(jobs)
+        Cohort(self, jobs)
+
+    def retired(self):
+        self.flush()
+
+
+class Cohort:
+    """Several requests' inputs in one device step."""
+
+    def __init__(self, batcher, jobs):
+        self.batcher, self.jobs = batcher, jobs
+        self.prepared = batcher.reg.prepared
+        self.buffers, self.host = {}, []
+        sequences = [s for job in jobs for s in job.sequences]
+        for job in jobs:
+            job.request.state = "running"
+        ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
+        offsets = np.zeros(len(sequences) + 1, np.int32)
+        np.cumsum([len(s) for s in sequences], out=offsets[1:])
+        pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
+        self.geometry = {"T": int(ids.size), "S": len(sequences)}
+        owner = batcher.reg.name
+        try:
+            pool, queue = self.prepared.device.pool, self.prepared.device.queue
+            for name, array in (("ids", ids), ("pos", pos), ("offsets", offsets)):
+                self.buffers[name] = pool.alloc(array.nbytes, owner, "workspace")
+                cl.enqueue_copy(queue, self.buffers[name].buffer, array, is_blocking=False)
+                self.host.append(array)  # kept alive until the copy has completed
+            self.buffers["out"] = pool.alloc(4 * len(sequences) * self.prepared.spec("DIM"), owner, "workspace")
+        except Exception as e:
+            self.done(error=e)
+            return
+        self.prepared.plan_async("embed", self.geometry, self.planned)
+
+    def planned(self, plan, error):
+        if error is not None:
+            self.done(error=error)
+            return
+        plan.run(self.buffers)
+        transfer = self.prepared.device.download_async(self.buffers["out"], np.float32,
+                                                       self.geometry["S"] * self.prepared.spec("DIM"))
+        self.batcher.server.loop.run_in_executor(transfer.wait, self.downloaded)
+
+    def downloaded(self, values, error):
+        self.done(values.reshape(self.geometry["S"], -1) if error is None else None, error)
+
+    def done(self, values=None, error=None):
+        for buf in self.buffers.values():
+            buf.release()
+        self.buffers, self.host = {}, []
+        row = 0
+        for job in self.jobs:
+            rows = None if values is None else values[row:row + len(job.sequences)]
+            row += len(job.sequences)
+            if error is not None:
+                job.finish(error=error)
+            elif job.gone:
+                job.finish()  # its rows are dropped; its peers are not disturbed
+            else:
+                job.deliver(rows)
+        self.batcher.retired()

@@ -91,6 +91,7 @@ class Registration:
         self.removing = None        # "drain" | "abort" once unregistered
         self.deactivate_when_idle = False
         self.readers = set()        # Deferreds waiting for a staged variant's compilation
+        self.batcher = None         # the kind's cohort former, created on first use
         self.package = None         # an uploaded source package, retained until the model retires
         self.loaded = []            # its members this registration's sources name: (path, bytes)
 
@@ -135,6 +136,8 @@ class Registration:
             "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0,
                           "resident": bool(p and p.resident), "pinned": self.pinned},
             "variants": {"selected": p.selected, "count": len(p.variants)} if p is not None and p.variants else None,
+            "batching": ({"cohorts": self.batcher.cohorts, "requests": self.batcher.requests}
+                         if getattr(self, "batcher", None) is not None else None),
         }
 
 

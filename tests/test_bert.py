@@ -110,3 +110,41 @@ def test_batched_inputs_do_not_disturb_each_other(server, token_ids):
 def test_default_catalog_lists_vectors(server):
     models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
     assert models["vectors"]["loom"]["kind"] == "embedding" and models["vectors"]["loom"]["dimensions"] == 384
+
+
+def test_concurrent_clients_share_cohorts_and_get_the_same_vectors(server, token_ids):
+    import threading
+    alone = [embed(server, [ids])[0] for ids in token_ids[:16]]
+    before = next(r for r in json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+                  if r["model"] == "vectors")["batching"]
+    results, barrier = {}, threading.Barrier(16)
+
+    def client(i):
+        barrier.wait()
+        results[i] = embed(server, [token_ids[i]])[0]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i in range(16):
+        np.testing.assert_allclose(results[i], alone[i], atol=1e-5)
+    after = next(r for r in json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+                 if r["model"] == "vectors")["batching"]
+    assert after["requests"] - before["requests"] == 16
+    assert after["cohorts"] - before["cohorts"] < 16  # some requests shared a device step
+
+
+def test_openai_sdk_float_and_base64_agree_bit_for_bit(server, token_ids):
+    import base64
+
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    floats = client.embeddings.create(model="vectors", input=token_ids[:3], encoding_format="float")
+    status, _, raw = server.request("POST", "/v1/embeddings", body=json.dumps(
+        {"model": "vectors", "input": token_ids[:3], "encoding_format": "base64"}).encode(),
+        headers={"Content-Type": "application/json"})
+    for item, b64 in zip(floats.data, json.loads(raw)["data"]):
+        packed = np.frombuffer(base64.b64decode(b64["embedding"]), "<f4")
+        assert np.array_equal(np.array(item.embedding, np.float32), packed)
