@@ -19,8 +19,8 @@ import base64
 import collections
 
 import numpy as np
-import pyopencl as cl
 
+from . import runtime
 from .http import Deferred, HTTPError, Response
 from .jsonin import Arr, Enum, Int, Obj, OneOf, Str
 
@@ -181,53 +181,35 @@ class Cohort:
 
     def __init__(self, batcher, jobs):
         self.batcher, self.jobs = batcher, jobs
-        self.prepared = batcher.reg.prepared
-        self.buffers, self.host = {}, []
         sequences = [s for job in jobs for s in job.sequences]
         for job in jobs:
             job.request.state = "running"
-        ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
-        offsets = np.zeros(len(sequences) + 1, np.int32)
-        np.cumsum([len(s) for s in sequences], out=offsets[1:])
-        pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
-        self.geometry = {"T": int(ids.size), "S": len(sequences)}
-        owner = batcher.reg.name
-        try:
-            pool, queue = self.prepared.device.pool, self.prepared.device.queue
-            for name, array in (("ids", ids), ("pos", pos), ("offsets", offsets)):
-                self.buffers[name] = pool.alloc(array.nbytes, owner, "workspace")
-                cl.enqueue_copy(queue, self.buffers[name].buffer, array, is_blocking=False)
-                self.host.append(array)  # kept alive until the copy has completed
-            self.buffers["out"] = pool.alloc(4 * len(sequences) * self.prepared.spec("DIM"), owner, "workspace")
-        except Exception as e:
-            self.done(error=e)
-            return
-        self.prepared.plan_async("embed", self.geometry, self.planned)
+        ids, pos, offsets = pack(sequences)
+        prepared = batcher.reg.prepared
+        self.count = len(sequences)
+        runtime.run_stage(prepared, batcher.server.loop, "embed", {"T": int(ids.size), "S": self.count},
+                          {"ids": ids, "pos": pos, "offsets": offsets},
+                          {"out": (np.float32, self.count * prepared.spec("DIM"))}, self.done)
 
-    def planned(self, plan, error):
-        if error is not None:
-            self.done(error=error)
-            return
-        plan.run(self.buffers)
-        transfer = self.prepared.device.download_async(self.buffers["out"], np.float32,
-                                                       self.geometry["S"] * self.prepared.spec("DIM"))
-        self.batcher.server.loop.run_in_executor(transfer.wait, self.downloaded)
-
-    def downloaded(self, values, error):
-        self.done(values.reshape(self.geometry["S"], -1) if error is None else None, error)
-
-    def done(self, values=None, error=None):
-        for buf in self.buffers.values():
-            buf.release()
-        self.buffers, self.host = {}, []
+    def done(self, values, error):
+        rows = None if error is not None else values["out"].reshape(self.count, -1)
         row = 0
         for job in self.jobs:
-            rows = None if values is None else values[row:row + len(job.sequences)]
+            mine = None if rows is None else rows[row:row + len(job.sequences)]
             row += len(job.sequences)
             if error is not None:
                 job.finish(error=error)
             elif job.gone:
                 job.finish()  # its rows are dropped; its peers are not disturbed
             else:
-                job.deliver(rows)
+                job.deliver(mine)
         self.batcher.retired()
+
+
+def pack(sequences):
+    """Token lists -> (ids, positions within each, offsets), as the stage commands take them."""
+    ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
+    offsets = np.zeros(len(sequences) + 1, np.int32)
+    np.cumsum([len(s) for s in sequences], out=offsets[1:])
+    pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
+    return ids, pos, offsets

@@ -292,6 +292,43 @@ class ExecPlan:
         self.executables = []
 
 
+def run_stage(prepared, loop, command, geometry, inputs, outputs, done):
+    """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
+    `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
+    Copies are non-blocking and the wait for the device happens on a worker, so
+    the loop never blocks on the device."""
+    pool, queue = prepared.device.pool, prepared.device.queue
+    buffers, host = {}, []
+
+    def finish(values, error):
+        for buf in buffers.values():
+            buf.release()
+        host.clear()
+        done(values, error)
+
+    try:
+        for name, array in inputs.items():
+            buffers[name] = pool.alloc(array.nbytes, prepared.name, "workspace")
+            cl.enqueue_copy(queue, buffers[name].buffer, array, is_blocking=False)
+            host.append(array)  # alive until the copy has completed
+        for name, (dtype, count) in outputs.items():
+            buffers[name] = pool.alloc(np.dtype(dtype).itemsize * count, prepared.name, "workspace")
+    except Exception as e:
+        finish(None, e)
+        return
+
+    def planned(plan, error):
+        if error is not None:
+            finish(None, error)
+            return
+        plan.run(buffers)
+        transfers = {name: prepared.device.download_async(buffers[name], dtype, count)
+                     for name, (dtype, count) in outputs.items()}
+        loop.run_in_executor(lambda: {name: t.wait() for name, t in transfers.items()}, finish)
+
+    prepared.plan_async(command, geometry, planned)
+
+
 def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None):
     """Everything that reads files or uploads weights; runs on a worker thread.
     `loaded` holds (name, bytes) sources from an uploaded package."""

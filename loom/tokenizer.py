@@ -908,8 +908,9 @@ class Tokenizer:
         added = list(added)
         vocab = getattr(model, "vocab")
         self._id_to_token: dict = {i: t for t, i in vocab.items()}
-        for a in added:
-            self._id_to_token[a.id] = a.content
+        for a in added:  # HF names a normalized added token by its normalized text
+            self._id_to_token[a.id] = normalizer(a.content) if a.normalized and normalizer \
+                else a.content
         self.vocab_size = max(self._id_to_token, default=-1) + 1
         if min(self._id_to_token, default=0) < 0:
             raise TokenizerError("negative token id")
@@ -1051,18 +1052,25 @@ class Tokenizer:
 
     # -- streaming plan: per-token text steps, a byte conversion, then whole-text steps
     def _setup_stream(self):
-        steps, before, after, mode = self._decoder, [], [], "utf8"
-        for st in steps:
-            if mode == "utf8" and st[0] in ("bytelevel", "bytefallback"):
-                mode = st[0]
-            elif mode == "utf8" and st[0] != "fuse":
+        before, after_bytes, whole, mode, fused = [], [], [], "utf8", False
+        for st in self._decoder:
+            kind = st[0]
+            if kind == "bytelevel":  # maps bytes and joins everything into one string
+                mode, fused = kind, True
+            elif kind == "bytefallback":
+                mode = kind
+            elif kind == "fuse":
+                fused = True
+            elif fused:
+                whole.append(st)
+            elif mode == "bytefallback":
+                after_bytes.append(st)
+            else:
                 before.append(st)
-            elif st[0] != "fuse":
-                after.append(st)
-        self._stream_before, self._stream_mode = before, mode
-        self._stream_after = after
+        self._stream_before, self._stream_after_bytes = before, after_bytes
+        self._stream_mode, self._stream_whole = mode, whole
         self._piece_cache: dict = {}
-        self._plain = not steps  # no decoder: HF joins tokens with spaces
+        self._plain = not self._decoder  # no decoder: HF joins tokens with spaces
 
     def _piece(self, id: int, first: bool) -> bytes:
         key = (id, first)
@@ -1072,27 +1080,33 @@ class Tokenizer:
         tok = self._id_to_token[id]
         if self._plain:
             tok = tok if first else " " + tok
-        for st in self._stream_before:
-            kind = st[0]
-            if kind == "replace":
-                tok = st[1].sub(lambda m, c=st[2]: c, tok)
-            elif kind == "strip":
-                tok = _strip_chars(tok, *st[1:])
-            elif kind == "metaspace":
-                tok = tok.replace(st[1], "" if (first and st[2]) else " ")
-            elif kind == "wordpiece":
-                tok = _wordpiece_piece(tok, first, st[1], st[2])
-            elif kind == "bpe":
-                tok = tok.replace(st[1], " ")
+        tok = _token_steps(self._stream_before, tok, first)
         if self._stream_mode == "bytelevel":
             out = _byte_level_bytes(tok)
         elif self._stream_mode == "bytefallback" and len(tok) == 6 and _BYTE_TOKEN.match(tok):
             out = bytes([int(tok[3:5], 16)])
         else:
-            out = tok.encode("utf-8")
+            out = _token_steps(self._stream_after_bytes, tok, first).encode("utf-8")
         if len(self._piece_cache) < 1 << 17:
             self._piece_cache[key] = out
         return out
+
+
+def _token_steps(steps, tok: str, first: bool) -> str:
+    """Per-token decoder steps applied to one token (first: it is the first token)."""
+    for st in steps:
+        kind = st[0]
+        if kind == "replace":
+            tok = st[1].sub(lambda m, c=st[2]: c, tok)
+        elif kind == "strip":
+            tok = _strip_chars(tok, *st[1:])
+        elif kind == "metaspace":
+            tok = tok.replace(st[1], "" if (first and st[2]) else " ")
+        elif kind == "wordpiece":
+            tok = _wordpiece_piece(tok, first, st[1], st[2])
+        elif kind == "bpe":  # the suffix marks a word end; only the last token's is dropped
+            tok = tok.replace(st[1], " ")
+    return tok
 
 
 class Detokenizer:
@@ -1105,7 +1119,8 @@ class Detokenizer:
         self._tok = tok
         self._first = True
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._strip = [list(st[1:]) for st in tok._stream_after if st[0] == "strip"]
+        # whole-text steps (after the tokens were joined); strip state is per stream
+        self._whole = [list(st) for st in tok._stream_whole]
         self._held = ""
 
     def push(self, id: int) -> str:
@@ -1117,23 +1132,23 @@ class Detokenizer:
         return self._post(self._utf8.decode(b"", final=True), True)
 
     def _post(self, text: str, final: bool) -> str:
-        for st in self._tok._stream_after:
-            if st[0] == "replace":
-                text = st[1].sub(lambda m, c=st[2]: c, text)
-        for st in self._strip:  # [content, start_left, stop]: a whole-text strip
-            content = st[0]
-            while st[1] > 0 and text:
+        for st in self._whole:
+            if st[0] != "strip":
+                text = _token_steps([st], text, True)
+                continue
+            content = st[1]
+            while st[2] > 0 and text:  # strip up to `start` leading content chars
                 if text[0] != content:
-                    st[1] = 0
+                    st[2] = 0
                     break
                 text = text[1:]
-                st[1] -= 1
-            if st[2]:  # hold back trailing content chars until we know they are not the end
+                st[2] -= 1
+            if st[3]:  # hold back trailing content chars until we know they are not the end
                 text = self._held + text
                 keep = len(text.rstrip(content))
                 text, self._held = text[:keep], text[keep:]
                 if final:
-                    text += self._held[:max(0, len(self._held) - st[2])]
+                    text += self._held[:max(0, len(self._held) - st[3])]
                     self._held = ""
         return text
 
