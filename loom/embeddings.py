@@ -36,17 +36,12 @@ SPEC = Obj({
 })
 
 
-def _inputs(value, prepared):
-    """The request's inputs as lists of token ids, validated against the package."""
-    if isinstance(value, str) or (isinstance(value, list) and isinstance(value[0], str)):
-        tokenizer = getattr(prepared, "tokenizer", None)
-        if tokenizer is None:
-            raise HTTPError(400, "this deployment has no tokenizer: send token IDs", "no_tokenizer", "input")
-        value = [value] if isinstance(value, str) else value
-        return [tokenizer.encode(text) for text in value]
-    sequences = [value] if isinstance(value[0], int) else value
+def _check(sequences, prepared):
+    """Token id lists validated against the package's vocabulary and capacity."""
     vocab, capacity = prepared.spec("VOCAB"), prepared.spec("MAX_TOKENS")
     for i, ids in enumerate(sequences):
+        if not ids:
+            raise HTTPError(400, f"input {i} is empty", "invalid_value", "input")
         if len(ids) > capacity:
             raise HTTPError(400, f"input {i} has {len(ids)} tokens; this model takes at most {capacity}",
                             "context_length_exceeded", "input")
@@ -57,16 +52,30 @@ def _inputs(value, prepared):
     return sequences
 
 
+def tokenize(prepared, texts):
+    """On a worker thread: texts -> token ids, framed as the encoder was trained."""
+    add_special = prepared.policy.get("add_special", True)
+    return [prepared.tokenizer.encode(text, add_special=add_special) for text in texts]
+
+
 def create(server, request):
     body = request.json(SPEC)
     reg = server.registry.admit(body["model"], "embedding")
     prepared = reg.prepared
     request.model = reg.name
-    sequences = _inputs(body["input"], prepared)
     dim = prepared.spec("DIM")
     if "dimensions" in body and body["dimensions"] != dim:
         raise HTTPError(400, f"this model supports dimensions {dim} only", "unsupported_value", "dimensions")
-    job = Job(server, reg, request, sequences, body.get("encoding_format", "float"))
+    value = body["input"]
+    texts = None
+    if isinstance(value, str) or isinstance(value[0], str):
+        if prepared.tokenizer is None:
+            raise HTTPError(400, "this deployment has no tokenizer: send token IDs", "no_tokenizer", "input")
+        texts = [value] if isinstance(value, str) else value
+        sequences = None
+    else:
+        sequences = _check([value] if isinstance(value[0], int) else value, prepared)
+    job = Job(server, reg, request, sequences, body.get("encoding_format", "float"), texts)
     server.registry.enter(reg, job)  # may raise 503 on a full queue: nothing was allocated yet
     return job.deferred
 
@@ -78,10 +87,11 @@ COHORT_INPUTS = 256    # ...or inputs; a request larger than that runs as a coho
 class Job:
     """One request: admission, its share of a cohort, its response."""
 
-    def __init__(self, server, reg, request, sequences, encoding):
+    def __init__(self, server, reg, request, sequences, encoding, texts=None):
         self.server, self.reg, self.request = server, reg, request
         self.sequences = sequences
-        self.tokens = sum(len(s) for s in sequences)
+        self.texts = texts       # text inputs, tokenized on a worker once admitted
+        self.tokens = sum(len(s) for s in sequences) if sequences else 0
         self.encoding = encoding
         self.deferred = Deferred()
         self.deferred.on_cancel = self.cancelled
@@ -94,6 +104,23 @@ class Job:
         self.acquired = error is None
         if error is not None:
             self.finish(error=error)
+        elif self.gone:
+            self.finish()
+        elif self.sequences is None:
+            self.server.loop.run_in_executor(tokenize, self.tokenized, self.reg.prepared, self.texts)
+        else:
+            batcher(self.server, self.reg).add(self)
+
+    def tokenized(self, sequences, error):
+        if error is None:
+            try:
+                self.sequences = _check(sequences, self.reg.prepared)
+                self.tokens = sum(len(s) for s in sequences)
+            except HTTPError as e:
+                error = e
+        if error is not None:
+            self.finish(response=error.response() if isinstance(error, HTTPError) else None,
+                        error=None if isinstance(error, HTTPError) else error)
         elif self.gone:
             self.finish()
         else:

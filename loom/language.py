@@ -875,8 +875,10 @@ def merge(parts, names=None):
         if merged is None:
             merged = module
             continue
-        if module.kind not in (None, merged.kind):
-            raise LoomError(f"{where}: kind {module.kind} differs from {merged.kind}")
+        if module.kind is not None and module.kind != merged.kind:
+            # A package may reuse another kind's part (a decision package built on the
+            # bert encoder): the model document's kind decides which stage is served.
+            merged.kind = None if merged.kind is not None else module.kind
         for section in ("specs", "params", "states", "kernels", "commands"):
             for decl in getattr(module, section):
                 if merged.find(section, decl.name) is not None:

@@ -114,6 +114,7 @@ class Prepared:
         self.pending = {}             # plan key -> [done callbacks] while compiling
         self.variants = {}            # id -> Variant, in creation order
         self.selected = None          # the preferred variant's id
+        self.tokenizer = None         # from the checkpoint, when it carries one
 
     @property
     def policy(self):
@@ -356,6 +357,7 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
             except ValueError as e:
                 raise PrepareError("source", f"kernel {kernel.name}: {e}") from None
         prepared = Prepared(name, module, binding, device, compiler, sources)
+        prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint)
         try:
             _upload(prepared, checkpoint, progress)
         except BaseException:
@@ -393,6 +395,23 @@ def _upload_params(prepared, checkpoint, progress):
             while binding.params[target].alias is not None:
                 target = binding.params[target].alias
             prepared.params[key] = prepared.params[target]
+
+
+def _tokenizer(checkpoint_path, checkpoint):
+    """The checkpoint's tokenizer: tokenizer.json beside (or in) a safetensors
+    checkpoint, or the tokenizer.ggml.* metadata of a GGUF file; None if it has none."""
+    from . import tokenizer
+    try:
+        if checkpoint.format == "gguf":
+            if "tokenizer.ggml.model" in checkpoint.metadata:
+                return tokenizer.from_gguf_metadata(checkpoint.metadata)
+            return None
+        folder = checkpoint_path if os.path.isdir(checkpoint_path) else os.path.dirname(checkpoint_path)
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return tokenizer.load(os.path.join(folder, "tokenizer.json"))
+    except (tokenizer.TokenizerError, OSError, ValueError) as e:
+        raise PrepareError("tokenizer", str(e)) from None
+    return None
 
 
 def _storage_bytes(shape, storage):

@@ -148,3 +148,15 @@ def test_openai_sdk_float_and_base64_agree_bit_for_bit(server, token_ids):
     for item, b64 in zip(floats.data, json.loads(raw)["data"]):
         packed = np.frombuffer(base64.b64decode(b64["embedding"]), "<f4")
         assert np.array_equal(np.array(item.embedding, np.float32), packed)
+
+
+def test_text_inputs_use_the_checkpoint_tokenizer(server, token_ids):
+    """Strings are tokenized with MiniLM's own tokenizer.json, [CLS] ... [SEP] framed."""
+    from_ids = embed(server, token_ids[:5])
+    from_text = embed(server, SENTENCES[:5])
+    np.testing.assert_allclose(from_text, from_ids, atol=1e-6)
+    single = embed(server, SENTENCES[0])
+    np.testing.assert_allclose(single[0], from_ids[0], atol=1e-6)
+    status, _, body = server.request("POST", "/v1/embeddings", body=json.dumps(
+        {"model": "vectors", "input": "word " * 600}).encode(), headers={"Content-Type": "application/json"})
+    assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"

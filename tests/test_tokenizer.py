@@ -422,12 +422,8 @@ def _write_gguf(path, md):
             w.add_uint32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
-        elif key.endswith("scores"):
-            w.add_array(key, np.asarray(value, dtype=np.float32))
-        elif key.endswith("token_type"):
-            w.add_array(key, np.asarray(value, dtype=np.int32))
         else:
-            w.add_array(key, value)
+            w.add_array(key, list(value))
     w.add_tensor("dummy", np.zeros(4, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
