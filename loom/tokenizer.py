@@ -853,17 +853,43 @@ class _Added:
         self.lstrip, self.rstrip, self.single_word = bool(lstrip), bool(rstrip), bool(single_word)
 
 
+def _trie_regex(words) -> str:
+    """A regex matching any of `words`, longest first at each position, shaped as a trie so a
+    position costs the length of the longest candidate rather than the number of words."""
+    root: dict = {}
+    for w in words:
+        node = root
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = True
+
+    def emit(node) -> str:
+        alts = []
+        for ch, child in node.items():
+            if ch == "":
+                continue
+            run = re.escape(ch)
+            while len(child) == 1 and "" not in child:  # an unbranched chain needs no group
+                (ch, child), = child.items()
+                run += re.escape(ch)
+            alts.append(run + emit(child))
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        # a terminal node tries the longer continuations first, then stops here
+        return "(?:" + body + ")?" if "" in node else body
+    return emit(root)
+
+
 class _AddedMatcher:
-    """Leftmost-longest matching of added tokens (HF uses Aho-Corasick LeftmostLongest); a
-    regex alternation sorted longest-first gives the same matches."""
+    """Leftmost-longest matching of added tokens, as HF's Aho-Corasick (LeftmostLongest)."""
 
     _WORD = re.compile(r"\w")
 
     def __init__(self, patterns: dict):  # pattern text -> _Added
         self.by_text = patterns
         self.any_plain = any(not a.special for a in patterns.values())
-        alts = sorted(patterns, key=len, reverse=True)
-        self.rx = re.compile("|".join(map(re.escape, alts))) if alts else None
+        self.rx = re.compile(_trie_regex(patterns)) if patterns else None
 
     def split(self, s: str, at0: bool, parse_special: bool, out: list) -> None:
         """Append (text, at_offset_0) pieces and token ids for s to out."""

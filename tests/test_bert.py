@@ -160,3 +160,74 @@ def test_text_inputs_use_the_checkpoint_tokenizer(server, token_ids):
     status, _, body = server.request("POST", "/v1/embeddings", body=json.dumps(
         {"model": "vectors", "input": "word " * 600}).encode(), headers={"Content-Type": "application/json"})
     assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
+
+
+PROFILES_DECISION = {
+    "model": "judge",
+    "state": "The customer cannot log in.",
+    "questions": {
+        "route": {"type": "choice", "instructions": "Choose a team.",
+                  "criteria": {"support": "Account access", "billing": "Payments"}},
+        "urgency": {"type": "score", "instructions": "Rate urgency.", "criteria": ["Low", "Medium", "High"]},
+        "needs_reply": {"type": "noul", "instructions": "Is a reply needed?"},
+    },
+}
+
+
+def decide(server, body, raw=None):
+    status, _, data = server.request("POST", "/v1/systemone", body=raw or json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return status, json.loads(data)
+
+
+def test_systemone_profiles_example_routes_to_support(server):
+    status, body = decide(server, PROFILES_DECISION)
+    assert status == 200, body
+    answers = body["answers"]
+    assert list(answers) == ["route", "urgency", "needs_reply"]              # question identities, in order
+    route = answers["route"]
+    assert route["choice"] == "support" and list(route["probabilities"]) == ["support", "billing"]
+    assert abs(sum(route["probabilities"].values()) - 1) < 1e-4
+    urgency = answers["urgency"]
+    assert urgency["legend"] == ["Low", "Medium", "High"] and len(urgency["probabilities"]) == 3
+    assert urgency["score"] == pytest.approx(sum(i * p for i, p in enumerate(urgency["probabilities"])), abs=1e-6)
+    assert 0 <= answers["needs_reply"]["probability"] <= 1
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == usage["total_tokens"] > 0
+
+
+def test_systemone_probabilities_match_numpy(server):
+    """The device softmax over cosine similarities equals the same computation on /v1/embeddings vectors."""
+    status, body = decide(server, PROFILES_DECISION)
+    texts = ["The customer cannot log in.\nChoose a team.", "Account access", "Payments"]
+    vectors = embed(server, texts)
+    logits = 25.0 * (vectors[1:] @ vectors[0])
+    want = np.exp(logits - logits.max())
+    want /= want.sum()
+    np.testing.assert_allclose(list(body["answers"]["route"]["probabilities"].values()), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("change,status,code", [
+    ({"questions": {}}, 400, "invalid_value"),
+    ({"questions": {"q": {"type": "choice", "instructions": "x", "criteria": {}}}}, 422, "invalid_schema"),
+    ({"questions": {"q": {"type": "score", "instructions": "x", "criteria": ["only one"]}}}, 422, "invalid_schema"),
+    ({"questions": {"q": {"type": "noul", "instructions": "x", "criteria": ["a"]}}}, 422, "invalid_schema"),
+    ({"questions": {"q": {"type": "maybe", "instructions": "x"}}}, 400, "invalid_value"),
+    ({"questions": {"q": {"type": "noul"}}}, 400, "missing_field"),
+    ({"extra": True}, 400, "unknown_field"),
+    ({"state": {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}}, 400, "unsupported_input"),
+    ({"model": "vectors"}, 404, "model_not_found"),
+])
+def test_systemone_rejections(server, change, status, code):
+    got_status, body = decide(server, dict(PROFILES_DECISION, **change))
+    assert (got_status, body["error"]["code"]) == (status, code), body
+
+
+def test_systemone_strict_json(server):
+    for raw in (b'{"model": "judge", "state": "x", "questions": {"a": {"type": "noul", "instructions": "y"},'
+                b' "a": {"type": "noul", "instructions": "z"}}}',
+                b'{"model": "judge", /* no */ "state": "x", "questions": {}}',
+                b'{"model": "judge", "state": "x", "questions": {"a": {"type": "noul", "instructions": "y"},}}',
+                b'{"model": "judge", "state": "\xff", "questions": {}}'):
+        status, body = decide(server, None, raw)
+        assert status == 400, raw
