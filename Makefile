@@ -25,6 +25,8 @@ test: install
 
 bench: install
 	$(PY) bench/http.py
+	$(PY) bench/runtime.py
+	$(PY) bench/kernels.py
 
 clean:
 	rm -rf $(VENV) build loom/_native/*.c loom/_native/*.so *.egg-info

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, _start_live
 
 
 def blocks(path, start, end):
@@ -21,11 +21,13 @@ def blocks(path, start, end):
     ("README.md", "With the server running", "Any OpenAI client"),
 ])
 def test_doc_examples_run(live_server, path, start, end, tmp_path):
-    server = live_server()
+    server = live_server() if path != "README.md" else _start_live(tmp_path, (), default_catalog=True)
     script = "\n".join(b for b in blocks(path, start, end) if "curl -N" not in b)  # streams never end
     script = script.replace("127.0.0.1:8080", f"127.0.0.1:{server.port}").replace("/tmp/", f"{tmp_path}/")
     out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + ":" + os.environ["PATH"]))
+    if path == "README.md":
+        server.stop()
     assert out.returncode == 0, out.stderr
     assert '"error":{' not in out.stdout, out.stdout
 
