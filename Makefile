@@ -27,6 +27,7 @@ bench: install
 	$(PY) bench/http.py
 	$(PY) bench/runtime.py
 	$(PY) bench/kernels.py
+	$(PY) bench/embeddings.py
 
 clean:
 	rm -rf $(VENV) build loom/_native/*.c loom/_native/*.so *.egg-info
