@@ -27,9 +27,79 @@ DH = D // H
 PAGE, PAGES, CTX = 16, 24, 512
 
 
-def make_checkpoint(path, arch, dtype, seed):
+HF_NAMES = [
+    (r"token_embd.weight", "model.embed_tokens.weight"), (r"output_norm.weight", "model.norm.weight"),
+    (r"output.weight", "lm_head.weight"), ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"), ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"), ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"), ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"), ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"), ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+]
+
+
+def hf_name(name):
+    for gguf_part, hf_part in HF_NAMES:
+        if name == gguf_part:
+            return hf_part
+        if name.startswith("blk.") and name.split(".", 2)[2] == gguf_part:
+            return f"model.layers.{name.split('.')[1]}.{hf_part}"
+    raise KeyError(name)
+
+
+def bf16_bits(values):
+    """float32 -> bfloat16 bits, round to nearest even (as torch does)."""
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_hf(folder, arch, tensors, dtype):
+    """A Hugging Face-style checkpoint: model.safetensors (F32, F16 or BF16) and config.json."""
+    import json
+    import struct
+    header, blobs, offset, used = {}, [], 0, {}
+    for name, values in tensors.items():
+        if dtype == "BF16" and values.ndim == 2:
+            bits = bf16_bits(values)
+            data, used[name] = bits.tobytes(), (bits.astype(np.uint32) << 16).view(np.float32)
+        elif dtype == "F16" and values.ndim == 2:
+            data, used[name] = values.astype(np.float16).tobytes(), values.astype(np.float16).astype(np.float32)
+        else:
+            data, used[name] = values.astype(np.float32).tobytes(), values
+        kind = "F32" if values.ndim != 2 or dtype == "F32" else dtype
+        header[hf_name(name)] = {"dtype": kind, "shape": list(values.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    folder.mkdir(exist_ok=True)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": arch, "hidden_size": D, "num_hidden_layers": L, "num_attention_heads": H,
+        "num_key_value_heads": HKV, "intermediate_size": F, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "head_dim": DH, "vocab_size": V, "tie_word_embeddings": arch == "qwen2"}))
+    return used
+
+
+def make_checkpoint(path, arch, dtype, seed, fmt="gguf"):
+    """Random weights in `fmt` ("gguf" at path, or "safetensors" in the folder path);
+    returns the values the model really holds (after rounding or quantization)."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
+    if fmt == "safetensors":
+        raw = make_checkpoint(None, arch, "F32", seed, fmt="values")
+        return write_hf(path, arch, raw, dtype)
+
+    class Collect:
+        def __init__(self):
+            self.tensors = {}
+
+        def add_tensor(self, name, values, raw_dtype=None):
+            self.tensors[name] = values
+
+    w = Collect() if fmt == "values" else gguf.GGUFWriter(str(path), arch)
+    if fmt == "values":
+        w.add_uint32 = w.add_float32 = lambda *a: None
     w.add_uint32(f"{arch}.block_count", L)
     w.add_uint32(f"{arch}.embedding_length", D)
     w.add_uint32(f"{arch}.feed_forward_length", F)
@@ -76,6 +146,8 @@ def make_checkpoint(path, arch, dtype, seed):
     vector("output_norm.weight", D)
     if arch != "qwen2":  # qwen2-style: tied output head
         matrix("output.weight", V, D, D ** -0.5)
+    if fmt == "values":
+        return w.tensors
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,12 +177,12 @@ def rope(x, positions, neox):
     return out
 
 
-def forward(weights, arch, tokens):
+def forward(weights, arch, tokens, fmt="gguf"):
     """Logits of the last token, float64, the straightforward way."""
     W = {k: v.astype(np.float64) for k, v in weights.items()}
     x = W["token_embd.weight"][tokens]
     positions = np.arange(len(tokens), dtype=np.float64)
-    neox = arch != "llama"
+    neox = arch != "llama" or fmt != "gguf"   # HF checkpoints rotate halves; GGUF llama weights are permuted
     for i in range(L):
         h = rms(x, W[f"blk.{i}.attn_norm.weight"])
         q, k, v = (h @ W[f"blk.{i}.attn_{p}.weight"].T for p in "qkv")
@@ -171,22 +243,28 @@ def run_advance(prepared, tokens, page_ids):
     return logits
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "F32"), ("qwen2", "F32"), ("qwen3", "F32"),
-                                         ("llama", "F16"), ("llama", "Q8_0"), ("qwen2", "Q4_0")])
-def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype):
+CASES = [(arch, dtype, "gguf") for arch in ("llama", "qwen2", "qwen3") for dtype in ("F32", "F16", "Q8_0", "Q4_0")] \
+    + [(arch, dtype, "safetensors") for arch in ("llama", "qwen2", "qwen3") for dtype in ("F32", "F16", "BF16")]
+
+
+@pytest.mark.parametrize("arch,dtype,fmt", CASES, ids=["-".join(c) for c in CASES])
+def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt):
+    """Prompts of 1, 7, 33 and 257 tokens (257 in prefill chunks of 64, over more than one KV page)."""
     dev, compiler = device
-    weights = make_checkpoint(tmp_path / "m.gguf", arch, dtype, seed=hash((arch, dtype)) % 1000)
-    prepared = runtime.prepare(f"{arch}-{dtype}", [SOURCE], str(tmp_path / "m.gguf"),
+    path = tmp_path / ("m.gguf" if fmt == "gguf" else "hf")
+    weights = make_checkpoint(path, arch, dtype, seed=sum(map(ord, arch + dtype + fmt)), fmt=fmt)
+    prepared = runtime.prepare(f"{arch}-{dtype}", [SOURCE], str(path),
                                {"pages": PAGES, "page_size": PAGE, "context_length": CTX}, dev, compiler)
     try:
         rng = np.random.default_rng(1)
-        for n in (1, 7, 33):
+        for n in (1, 7, 33, 257):
             tokens = rng.integers(0, V, n).tolist()
-            pages = rng.permutation(PAGES)[:math.ceil(n / PAGE)]  # scattered, not in order
-            got = run_advance(prepared, tokens, pages)
-            want = forward(weights, arch, tokens)
+            rows = Rows(prepared, 1)
+            for start in range(0, n, 64):
+                logits = rows.step([(0, tokens[start:start + 64])])[0]
+            want = forward(weights, arch, tokens, fmt)
             scale = np.abs(want).max()
-            assert np.abs(got - want).max() <= 1e-4 * scale, (n, np.abs(got - want).max(), scale)
+            assert np.abs(logits - want).max() <= 1e-4 * scale, (n, np.abs(logits - want).max(), scale)
     finally:
         prepared.release()
 
