@@ -1,0 +1,196 @@
+"""Chat policy runtime: render a conversation to the package's framing, parse what
+the model generates back into content, reasoning and tool calls.
+
+Everything model-specific is data in the package's `policy` (see
+models/llama/llama.loom): role templates, the generation prompt, stop strings,
+reasoning markers, the tool catalog's framing and the tool-call grammar, and
+sampling defaults and ranges. A package may carry several chat formats under
+`policy.chats`; the model document's `options.chat` picks one, and otherwise
+the format whose `detect` marker appears in the checkpoint's own chat template
+(GGUF `tokenizer.chat_template`) wins, then the first.
+
+Rendering is canonical: the same messages always give the same text, which
+is what retained-conversation reuse will key on.
+"""
+
+import json
+
+from .http import HTTPError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatPolicy:
+    def __init__(self, policy, chat_template=None, choice=None):
+        chats = policy.get("chats") or {}
+        if not chats:
+            raise ValueError("the package policy declares no chat formats (policy.chats)")
+        if choice is None:
+            choice = next((name for name, fmt in chats.items()
+                           if chat_template and fmt.get("detect") and fmt["detect"] in chat_template), None)
+        name = choice or next(iter(chats))
+        if name not in chats:
+            raise ValueError(f"unknown chat format {name!r}; the package has {', '.join(chats)}")
+        self.name = name
+        self.format = chats[name]
+        self.sampling = policy.get("sampling", {})
+        self.reasoning = self.format.get("reasoning")
+        self.tools = self.format.get("tools")
+        self.stop = list(self.format.get("stop", []))
+
+    # -- input -------------------------------------------------------------------
+    def render(self, messages, tools=None, enable_thinking=None, generation=True):
+        """Messages (validated) -> the prompt text, framing included."""
+        fmt = self.format
+        parts = [fmt.get("bos", "")]
+        system = [m for m in messages if m["role"] == "system"]
+        rest = [m for m in messages if m["role"] != "system"]
+        system_text = "\n\n".join(_text(m["content"]) for m in system)
+        if tools:
+            if not self.tools:
+                raise HTTPError(400, "this model's chat format has no tool calling", "unsupported_value", "tools")
+            catalog = "\n".join(json.dumps(t, ensure_ascii=False, separators=(", ", ": ")) for t in tools)
+            preamble = self.tools["preamble"].replace("{tools}", catalog)
+            system_text = f"{system_text}\n\n{preamble}" if system_text else preamble
+        if system_text or fmt.get("default_system") is not None:
+            parts.append(fmt["roles"]["system"].replace("{content}", system_text or fmt.get("default_system", "")))
+        for m in rest:
+            parts.append(fmt["roles"][m["role"]].replace("{content}", self._content(m)))
+        if generation:
+            parts.append(fmt["generation"])
+            thinking = self._thinking(enable_thinking)
+            if thinking is False and self.reasoning and self.reasoning.get("disabled"):
+                parts.append(self.reasoning["disabled"])
+        return "".join(parts)
+
+    def _thinking(self, enable_thinking):
+        if enable_thinking is None:
+            return self.reasoning.get("default", True) if self.reasoning else None
+        if not self.reasoning:
+            if enable_thinking:
+                raise HTTPError(400, "this model does not support reasoning", "unsupported_value", "enable_thinking")
+            return None
+        return enable_thinking
+
+    def _content(self, message):
+        if message["role"] == "assistant":
+            text = _text(message.get("content") or "")
+            for call in message.get("tool_calls") or []:
+                fn = call["function"]
+                try:
+                    arguments = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+                except json.JSONDecodeError:
+                    raise HTTPError(400, "tool call arguments must be a JSON object", "invalid_value",
+                                    "messages.tool_calls.function.arguments") from None
+                body = json.dumps({"name": fn["name"], "arguments": arguments}, ensure_ascii=False)
+                text += ("\n" if text else "") + self.tools["open"] + body + self.tools["close"] if self.tools \
+                    else body
+            return text
+        return _text(message["content"])
+
+    # -- output ------------------------------------------------------------------
+    def parser(self, enable_thinking=None, tools_allowed=True):
+        return OutputParser(self, self._thinking(enable_thinking), tools_allowed)
+
+
+def _text(content):
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
+class ToolCallError(ValueError):
+    """Generated text that opened a tool call but is not a valid one."""
+
+
+class OutputParser:
+    """Splits generated text into reasoning, answer content and tool calls.
+
+    feed(text) returns the deltas that are safe to publish now: a marker that
+    may still be forming (say "<too" of "<tool_call>") is held back until the
+    next text decides. Tool calls are published only whole and valid."""
+
+    def __init__(self, policy, thinking, tools_allowed):
+        self.policy = policy
+        self.reasoning_markers = policy.reasoning if thinking else None
+        self.in_reasoning = bool(thinking and policy.reasoning and policy.reasoning.get("starts_open"))
+        self.tools = policy.tools
+        self.tools_allowed = tools_allowed
+        self.pending = ""
+        self.call = None          # text of a tool call being collected
+        self.calls = []
+        self.content = []
+        self.reasoning = []
+
+    def feed(self, text):
+        """-> list of ("content" | "reasoning", text) deltas."""
+        self.pending += text
+        out = []
+        while self.pending:
+            if self.call is not None:
+                end = self.pending.find(self.tools["close"])
+                if end < 0:
+                    keep = _partial(self.pending, self.tools["close"])  # the marker may be arriving
+                    self.call += self.pending[:len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                self.call += self.pending[:end]
+                self.pending = self.pending[end + len(self.tools["close"]):]
+                self._finish_call()
+                continue
+            markers = []
+            if self.reasoning_markers:
+                markers.append(self.reasoning_markers["close" if self.in_reasoning else "open"])
+            if self.tools and not self.in_reasoning:
+                markers.append(self.tools["open"])
+            hit = min(((self.pending.find(m), m) for m in markers if m in self.pending), default=None)
+            if hit is None:
+                keep = max((_partial(self.pending, m) for m in markers), default=0)
+                if len(self.pending) > keep:
+                    out.append(self._emit(self.pending[:len(self.pending) - keep]))
+                    self.pending = self.pending[len(self.pending) - keep:]
+                break
+            at, marker = hit
+            if at:
+                out.append(self._emit(self.pending[:at]))
+            self.pending = self.pending[at + len(marker):]
+            if self.tools and marker == self.tools["open"] and not self.in_reasoning:
+                self.call = ""
+            else:
+                self.in_reasoning = not self.in_reasoning
+        return [d for d in out if d[1]]
+
+    def _emit(self, text):
+        kind = "reasoning" if self.in_reasoning else "content"
+        (self.reasoning if self.in_reasoning else self.content).append(text)
+        return kind, text
+
+    def _finish_call(self):
+        if not self.tools_allowed:
+            raise ToolCallError("the model called a tool while tool_choice is none")
+        try:
+            call = json.loads(self.call)
+        except json.JSONDecodeError as e:
+            raise ToolCallError(f"generated tool call is not valid JSON: {e.msg}") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
+                or not isinstance(call.get("arguments", {}), dict):
+            raise ToolCallError("generated tool call needs a name and object arguments")
+        self.calls.append({"name": call["name"], "arguments": json.dumps(call.get("arguments", {}),
+                                                                         ensure_ascii=False)})
+        self.call = None
+
+    def close(self):
+        """End of generation: flush held text; an unfinished tool call is an error."""
+        if self.call is not None:
+            raise ToolCallError("generation ended inside a tool call")
+        out = [self._emit(self.pending)] if self.pending else []
+        self.pending = ""
+        return [d for d in out if d[1]]
+
+
+def _partial(text, marker):
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
