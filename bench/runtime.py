@@ -24,8 +24,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import pyopencl as cl  # noqa: E402
 
-from loom import language, runtime, vm  # noqa: E402
-from loom.compiler import Compiler  # noqa: E402
+from loom import runtime  # noqa: E402
+from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
 
 REPLAY = '''
@@ -62,12 +62,6 @@ command mv(x: buf, y: buf, T: int) {
 '''
 
 
-def sync_submit(fn, done):
-    try:
-        result, error = fn(), None
-    except Exception as e:  # surfaced to the caller through done
-        result, error = None, e
-    done(result, error)
 
 
 def prepared_module(source, tensors, device, compiler, name, layers=1):
@@ -211,7 +205,7 @@ def main():
     ap.add_argument("--device", default=None, help="OpenCL device selector (default: first GPU, else CPU)")
     args = ap.parse_args()
     device = Device(args.device)
-    compiler = Compiler(device, sync_submit)
+    compiler = Compiler(device, run_now)
     print(f"device: {device.describe()}\n")
     bench_replay(device, compiler, args.seconds)
     bench_matvec(device, compiler, args.seconds)

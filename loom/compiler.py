@@ -54,7 +54,7 @@ from pyopencl._cl import _Program
 
 import loom
 
-__all__ = ["Compiler", "Executable", "BuildFailure", "LIBRARY", "LOG_CHARS"]
+__all__ = ["Compiler", "Executable", "BuildFailure", "LIBRARY", "LOG_CHARS", "run_now"]
 
 log = logging.getLogger("loom.compiler")
 
@@ -102,6 +102,15 @@ def _deliver(callbacks, outcome):
             on_done(outcome)
         except Exception:  # one broken consumer must not starve the others or the loop
             log.exception("compile callback for %s failed", outcome.name)
+
+
+def run_now(fn, done):
+    """A `submit` that runs fn on the calling thread: for tools, benchmarks and tests."""
+    try:
+        result, error = fn(), None
+    except Exception as e:  # handed to done, as the server's executor does
+        result, error = None, e
+    done(result, error)
 
 
 class BuildError(Exception):

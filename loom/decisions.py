@@ -16,9 +16,9 @@ import json
 
 import numpy as np
 
-from . import runtime
+from . import registry, runtime
 from .embeddings import pack
-from .http import Deferred, HTTPError, Response
+from .http import HTTPError, Response
 from .jsonin import Any_, Arr, Enum, Map, Obj, OneOf, Str
 
 MAX_QUESTIONS = 1024
@@ -102,23 +102,17 @@ def _tokenize(prepared, plan):
     return sequences
 
 
-class Job:
-    """One decision request: admission, tokenizing, one device step, validation."""
+class Job(registry.Job):
+    """One decision request: tokenizing, one device step, validation."""
+
+    what = "decision"
 
     def __init__(self, server, reg, request, plan):
-        self.server, self.reg, self.request, self.plan = server, reg, request, plan
-        self.deferred = Deferred()
-        self.deferred.on_cancel = self.cancelled
-        self.gone = False
-        self.acquired = False
-        request.state = "queued"
+        super().__init__(server, reg, request)
+        self.plan = plan
+        self.tokens = 0
 
-    def start(self, error):
-        self.acquired = error is None
-        if error is not None or self.gone:
-            self.finish(error=error)
-            return
-        self.request.state = "running"
+    def run(self):
         self.server.loop.run_in_executor(_tokenize, self.tokenized, self.reg.prepared, self.plan)
 
     def tokenized(self, sequences, error):
@@ -160,24 +154,3 @@ class Job:
         self.finish(Response.json({"object": "systemone.decision", "model": self.reg.name, "answers": answers,
                                    "usage": {"prompt_tokens": self.tokens, "completion_tokens": 0,
                                              "total_tokens": self.tokens}}))
-
-    def cancelled(self):
-        self.gone = True
-        self.server.registry.withdraw(self.reg, self)
-
-    def fail(self, error):
-        if not self.gone:
-            self.gone = True
-            self.deferred.resolve(error.response())
-
-    def finish(self, response=None, error=None):
-        self.server.registry.leave(self.reg, self, self.acquired)
-        self.acquired = False
-        if isinstance(error, HTTPError):
-            response = error.response()
-        elif error is not None:
-            status = 503 if type(error).__name__ == "OutOfDeviceMemory" else 500
-            response = HTTPError(status, f"decision failed: {getattr(error, 'message', error)}",
-                                 "device_memory" if status == 503 else "execution_failed").response()
-        if not self.gone and response is not None:
-            self.deferred.resolve(response)

@@ -20,8 +20,8 @@ import collections
 
 import numpy as np
 
-from . import runtime
-from .http import Deferred, HTTPError, Response
+from . import registry, runtime
+from .http import HTTPError, Response
 from .jsonin import Arr, Enum, Int, Obj, OneOf, Str
 
 INPUT_ITEMS = 2048
@@ -84,29 +84,20 @@ COHORT_TOKENS = 8192   # a cohort closes at this many tokens...
 COHORT_INPUTS = 256    # ...or inputs; a request larger than that runs as a cohort of its own
 
 
-class Job:
-    """One request: admission, its share of a cohort, its response."""
+class Job(registry.Job):
+    """One request: its inputs, its share of a cohort, its response."""
+
+    what = "embedding"
 
     def __init__(self, server, reg, request, sequences, encoding, texts=None):
-        self.server, self.reg, self.request = server, reg, request
+        super().__init__(server, reg, request)
         self.sequences = sequences
         self.texts = texts       # text inputs, tokenized on a worker once admitted
         self.tokens = sum(len(s) for s in sequences) if sequences else 0
         self.encoding = encoding
-        self.deferred = Deferred()
-        self.deferred.on_cancel = self.cancelled
-        self.gone = False        # the client left, or the response was already settled
-        self.acquired = False
-        request.state = "queued"
 
-    def start(self, error):
-        """The admission gate let us through and the parameters are resident."""
-        self.acquired = error is None
-        if error is not None:
-            self.finish(error=error)
-        elif self.gone:
-            self.finish()
-        elif self.sequences is None:
+    def run(self):
+        if self.sequences is None:
             self.server.loop.run_in_executor(tokenize, self.tokenized, self.reg.prepared, self.texts)
         else:
             batcher(self.server, self.reg).add(self)
@@ -118,11 +109,8 @@ class Job:
                 self.tokens = sum(len(s) for s in sequences)
             except HTTPError as e:
                 error = e
-        if error is not None:
-            self.finish(response=error.response() if isinstance(error, HTTPError) else None,
-                        error=None if isinstance(error, HTTPError) else error)
-        elif self.gone:
-            self.finish()
+        if error is not None or self.gone:
+            self.finish(error=error)
         else:
             batcher(self.server, self.reg).add(self)
 
@@ -134,27 +122,6 @@ class Job:
             data.append({"object": "embedding", "index": i, "embedding": embedding})
         self.finish(Response.json({"object": "list", "data": data, "model": self.reg.name,
                                    "usage": {"prompt_tokens": self.tokens, "total_tokens": self.tokens}}))
-
-    def cancelled(self):
-        """The client disconnected: leave the queue; a cohort it joined runs on for its peers."""
-        self.gone = True
-        self.server.registry.withdraw(self.reg, self)
-
-    def fail(self, error):
-        """Withdrawn (unregister): answer now; accepted device work still retires."""
-        if not self.gone:
-            self.gone = True
-            self.deferred.resolve(error.response())
-
-    def finish(self, response=None, error=None):
-        self.server.registry.leave(self.reg, self, self.acquired)
-        self.acquired = False
-        if error is not None:
-            status = 503 if type(error).__name__ == "OutOfDeviceMemory" else 500
-            response = HTTPError(status, f"embedding failed: {getattr(error, 'message', error)}",
-                                 "device_memory" if status == 503 else "execution_failed").response()
-        if not self.gone:
-            self.deferred.resolve(response)
 
 
 def batcher(server, reg):

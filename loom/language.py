@@ -26,7 +26,6 @@ The grammar is in docs/language.md. Command line for authors:
 """
 
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass, field

@@ -481,6 +481,57 @@ class Registry:
 
 
 
+class Job:
+    """One inference request's life at a registration: the admission gate
+    (start), the client leaving (cancelled), unregister (fail), and the end of
+    its device work (finish). Endpoints subclass it with their own work."""
+
+    what = "request"
+
+    def __init__(self, server, reg, request):
+        self.server, self.reg, self.request = server, reg, request
+        self.deferred = Deferred()
+        self.deferred.on_cancel = self.cancelled
+        self.gone = False        # the client left, or the response was already settled
+        self.acquired = False
+        request.state = "queued"
+
+    def start(self, error):
+        """The gate let the job through and the parameters are resident (or error)."""
+        self.acquired = error is None
+        if error is not None or self.gone:
+            self.finish(error=error)
+            return
+        self.request.state = "running"
+        self.run()
+
+    def run(self):
+        raise NotImplementedError
+
+    def cancelled(self):
+        """The client disconnected: leave the queue; accepted device work retires for its peers."""
+        self.gone = True
+        self.server.registry.withdraw(self.reg, self)
+
+    def fail(self, error):
+        """Withdrawn (unregister): answer now; accepted device work still retires."""
+        if not self.gone:
+            self.gone = True
+            self.deferred.resolve(error.response())
+
+    def finish(self, response=None, error=None):
+        self.server.registry.leave(self.reg, self, self.acquired)
+        self.acquired = False
+        if isinstance(error, HTTPError):
+            response = error.response()
+        elif error is not None:
+            status = 503 if type(error).__name__ == "OutOfDeviceMemory" else 500
+            response = HTTPError(status, f"{self.what} failed: {getattr(error, 'message', error)}",
+                                 "device_memory" if status == 503 else "execution_failed").response()
+        if not self.gone and response is not None:
+            self.deferred.resolve(response)
+
+
 # -- HTTP: discovery and administration (PROFILES.md) ------------------------------
 
 MODEL = Obj({"model": Str(min_len=1)})

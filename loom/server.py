@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import __version__
 from ._native.framing import FramingError, RequestParser
-from .http import Deferred, HTTPError, Request, Response, Stream
+from .http import Deferred, HTTPError, Request, Stream
 from .logs import LogRing, RingHandler
 from .metrics import Registry
 

@@ -22,6 +22,11 @@ import unicodedata
 
 import numpy as np
 
+try:  # the Cython merge loop; without it the pure-Python loop gives the same ids, slower
+    from ._native import bpe as _native_bpe
+except ImportError:  # pragma: no cover - depends on the build
+    _native_bpe = None
+
 __all__ = ["TokenizerError", "Tokenizer", "Detokenizer", "from_tokenizer_json",
            "from_gguf_metadata", "load"]
 
@@ -155,6 +160,55 @@ def _property(name: str) -> tuple:
     return _category_ranges(frozenset(cats))
 
 
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+
+
+def _bmp(ranges) -> list:
+    return [(lo, min(hi, 0xFFFF)) for lo, hi in ranges if lo <= 0xFFFF]
+
+
+class _Rx:
+    """A pattern compiled twice: with full Unicode classes, and with the classes cut to the BMP.
+
+    Python's re checks a class's ranges above U+FFFF one by one, which makes \\p{L}-sized
+    classes about 6x slower.  Text without astral characters matches the same either way, so
+    it gets the fast copy.  When only spans are needed and the pattern tells characters apart
+    by general category alone (`stand_ins`), astral text is searched as a "shadow" in which each
+    astral character is replaced by a BMP character of the same category."""
+
+    __slots__ = ("full", "fast", "groups", "stand_ins")
+
+    def __init__(self, build, flags=0, stand_ins=None):  # build(bmp_only) -> pattern source
+        self.full = re.compile(build(False), flags)
+        try:
+            self.fast = re.compile(build(True), flags)
+        except re.error:  # e.g. a class with only astral members: keep the full one
+            self.fast = self.full
+        self.groups = self.full.groups
+        self.stand_ins = stand_ins if self.fast is not self.full else None
+
+    def pick(self, s: str) -> re.Pattern:
+        return self.full if self.fast is not self.full and _ASTRAL.search(s) else self.fast
+
+    def view(self, s: str) -> tuple:
+        """(pattern, text of the same length) whose match spans are the spans in s."""
+        if self.fast is self.full or not _ASTRAL.search(s):
+            return self.fast, s
+        if self.stand_ins is None:
+            return self.full, s
+        cats, reps = _category_array(True), self.stand_ins
+        return self.fast, _ASTRAL.sub(lambda m: reps[cats[ord(m.group())]], s)
+
+    def findall(self, s):
+        return self.pick(s).findall(s)
+
+    def finditer(self, s):
+        return self.pick(s).finditer(s)
+
+    def sub(self, repl, s):
+        return self.pick(s).sub(repl, s)
+
+
 @functools.lru_cache(maxsize=None)
 def _bert_classes() -> dict:
     """Regexes for BERT's control, whitespace, punctuation and non-spacing-mark classes."""
@@ -175,15 +229,17 @@ def _bert_classes() -> dict:
     for c in "\t\n\r":
         ctl[ord(c)] = False
     ws = _ranges_body(_WS_RANGES)
-    p = _ranges_body(_mask_ranges(punct))
+    cls = lambda fmt, *masks: _Rx(lambda bmp: fmt % tuple(  # noqa: E731
+        _ranges_body(_bmp(r) if bmp else r) for r in masks))
+    p = _mask_ranges(punct)
     return {
-        "control": re.compile("[%s]+" % _ranges_body(_mask_ranges(ctl))),
-        "space": re.compile("[%s]" % ws),
-        "mn": re.compile("[%s]+" % _ranges_body(_mask_ranges(mn))),
-        "cjk": re.compile("[%s]" % _ranges_body(_CJK_RANGES)),
-        "punct_char": re.compile("[%s]" % p),
+        "control": cls("[%s]+", _mask_ranges(ctl)),
+        "space": re.compile("[%s]" % ws.replace("\\U00000020", "")),  # ' ' is already ' '
+        "mn": cls("[%s]+", _mask_ranges(mn)),
+        "cjk": cls("[%s]", _CJK_RANGES),
+        "punct_char": cls("[%s]", p),
         # BertPreTokenizer: drop whitespace, isolate each punctuation char, keep other runs.
-        "pretok": re.compile("[%s]|[^%s%s]+" % (p, p, ws)),
+        "pretok": cls("[%s]|[^%s" + ws + "]+", p, p),
     }
 
 
@@ -201,7 +257,94 @@ _ESCAPE_CLASSES = {"s": lambda: _WS_RANGES, "d": lambda: _category_ranges(frozen
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_onig(pattern: str) -> re.Pattern:
+def _compile_onig(pattern: str) -> _Rx:
+    try:
+        return _Rx(functools.partial(_translate_onig, pattern), re.MULTILINE,
+                   _stand_ins(pattern))
+    except re.error as exc:
+        raise TokenizerError(f"unsupported regex {pattern!r}: {exc}") from None
+
+
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "a": "\a",
+                   "e": "\x1b"}
+
+
+def _literals(pattern: str):
+    """The literal characters of an Oniguruma pattern, or None if the pattern could tell an
+    astral character from a BMP character of the same general category: hex or astral
+    literals, anchors such as \\b, ranges inside a class, or a case-insensitive class."""
+    lits, i, n, in_class, first = set(), 0, len(pattern), False, 0
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            e = pattern[i + 1:i + 2]
+            if e in ("p", "P"):
+                j = pattern.find("}", i) if pattern.startswith("{", i + 2) else i + 2
+                i = j + 1
+                continue
+            if e and e in "sSdDwWhH":
+                pass
+            elif e in _SIMPLE_ESCAPES:
+                lits.add(_SIMPLE_ESCAPES[e])
+            elif e and not e.isalnum() and ord(e) < 0x80:
+                lits.add(e)
+            else:
+                return None
+            i += 2
+            continue
+        if ord(c) > 0xFFFF:
+            return None
+        if in_class:
+            if c == "]" and i > first:
+                in_class = False
+            elif c == "-" and i > first and pattern[i + 1:i + 2] != "]":
+                return None
+        elif c == "[":
+            in_class, first = True, i + 1 + (pattern[i + 1:i + 2] == "^")
+            i = first
+            continue
+        lits.add(c)
+        i += 1
+    for m in re.finditer(r"\(\?[a-z]*i[a-z-]*([:)])", pattern):
+        scope = pattern[m.end():] if m.group(1) == ")" else pattern[m.end():_group_end(pattern,
+                                                                                   m.end())]
+        if re.search(r"\\[pPdDwW]|\[|\.", scope):
+            return None
+    return lits
+
+
+def _group_end(pattern: str, i: int) -> int:
+    depth = 1
+    while i < len(pattern) and depth:
+        depth += {"(": 1, ")": -1}.get(pattern[i], 0)
+        i += 2 if pattern[i] == "\\" else 1
+    return i
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_ins(pattern: str):
+    """A BMP stand-in per general category (indexed by category code) for searching astral
+    text with `pattern`, or None when that could change its matches."""
+    lits = _literals(pattern)
+    if lits is None:
+        return None
+    taken = set()
+    for ch in lits:  # no stand-in may equal a literal, even case-insensitively
+        taken.update(ch + ch.lower() + ch.upper() + ch.casefold())
+    cats = _category_array(True)
+    reps = [None] * len(_CATEGORIES)
+    for code in np.unique(cats[0x10000:]).tolist():
+        for cp in (np.flatnonzero(cats[0xA0:0x10000] == code) + 0xA0).tolist()[:64]:
+            ch = chr(cp)
+            if not taken & set(ch + ch.lower() + ch.upper() + ch.casefold()):
+                reps[code] = ch
+                break
+        else:
+            return None
+    return reps
+
+
+def _translate_onig(pattern: str, bmp_only: bool) -> str:
     """Compile an Oniguruma (Ruby syntax) pattern with Python's re.
 
     \\p{..} classes, \\s, \\d, \\w and \\h are expanded to explicit Unicode ranges; ^/$ are line
@@ -246,9 +389,11 @@ def _compile_onig(pattern: str) -> re.Pattern:
                 i += 2
                 continue
             if in_class:
-                out.append(_ranges_body(_complement(ranges) if negate else ranges))
+                ranges = _complement(ranges) if negate else ranges
+                out.append(_ranges_body(_bmp(ranges) if bmp_only else ranges))
             else:
-                out.append(("[^%s]" if negate else "[%s]") % _ranges_body(ranges))
+                out.append(("[^%s]" if negate else "[%s]") % _ranges_body(
+                    _bmp(ranges) if bmp_only else ranges))
             continue
         if in_class:
             if c == "[" or pattern.startswith("&&", i):
@@ -271,10 +416,7 @@ def _compile_onig(pattern: str) -> re.Pattern:
                 continue
         out.append(c)
         i += 1
-    try:
-        return re.compile("".join(out), re.MULTILINE)
-    except re.error as exc:
-        raise TokenizerError(f"unsupported regex {pattern!r}: {exc}") from None
+    return "".join(out)
 
 
 # --------------------------------------------------------------------------- byte-level map
@@ -344,6 +486,7 @@ class _BPE:
                     from None
             pairs[ia * self.width + ib] = (rank, new)  # a repeated merge keeps its last rank, as HF
         self.pairs = pairs
+        self.table = _native_bpe.MergeTable(pairs, self.width) if _native_bpe else None
         self.byte_ids = None
         if byte_fallback:
             self.byte_ids = [vocab.get("<0x%02X>" % b) for b in range(256)]
@@ -390,6 +533,11 @@ class _BPE:
         return tuple(self.merge(self.symbols(w)))
 
     def merge(self, c: list) -> list:
+        if self.table is not None:
+            return self.table.merge(c)
+        return self.merge_py(c)
+
+    def merge_py(self, c: list) -> list:
         n = len(c)
         if n < 2:
             return c
@@ -595,8 +743,8 @@ def _bert_normalizer(clean_text, handle_chinese, strip_accents, lowercase):
         if clean_text:
             s = t["space"].sub(" ", t["control"].sub("", s))
         if handle_chinese:
-            s = t["cjk"].sub(r" \g<0> ", s)
-        if strip_accents:
+            s = t["cjk"].sub(lambda m: " " + m.group() + " ", s)
+        if strip_accents and not s.isascii():  # ASCII has no marks and is its own NFD
             s = t["mn"].sub("", unicodedata.normalize("NFD", s))
         if lowercase:
             s = _lower(s)
@@ -610,10 +758,11 @@ def _bert_normalizer(clean_text, handle_chinese, strip_accents, lowercase):
 _BEHAVIORS = {"removed", "isolated", "mergedwithprevious", "mergedwithnext", "contiguous"}
 
 
-def _split_spans(s: str, rx: re.Pattern, behavior: str, invert: bool) -> list:
+def _split_spans(s: str, rx, behavior: str, invert: bool) -> list:
     """HF NormalizedString::split: (start, end) spans kept, in order."""
     spans, prev = [], 0
-    for m in rx.finditer(s):
+    pattern, view = rx.view(s) if rx.__class__ is _Rx else (rx, s)
+    for m in pattern.finditer(view):
         a, b = m.span()
         if a == b:
             continue
@@ -997,8 +1146,15 @@ class Tokenizer:
     def _words(self, s: str, at0: bool) -> list:
         rx = self._fast_rx
         if rx is not None:
-            words = rx.findall(s)
+            pattern, view = rx.view(s) if rx.__class__ is _Rx else (rx, s)
+            words = pattern.findall(view)
             if sum(map(len, words)) == len(s):  # the usual case: matches tile the text
+                if view is not s:  # matched on the astral shadow: take the same spans of s
+                    pos, spans = 0, []
+                    for w in words:
+                        spans.append(s[pos:pos + len(w)])
+                        pos += len(w)
+                    words = spans
                 return words
             return [s[a:b] for a, b in _split_spans(s, rx, "isolated", False)]
         pieces = [(s, at0)]
@@ -1422,7 +1578,9 @@ def _from_gguf(md: dict) -> Tokenizer:
         merges = [tuple(_text(m).split(" ")) for m in get("merges", [])]
         if any(len(m) != 2 for m in merges):
             raise TokenizerError("a merge must name exactly two tokens")
-        model = _BPE(vocab, merges)
+        # Meta's Llama-3 tokenizer.json (and llama.cpp for "llama-bpe") ignore merges for
+        # words that are whole tokens.
+        model = _BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3"))
         steps = ([("regex", _compile_onig(_GPT2_REGEX), "isolated", False)] if _GGUF_PRE[pre] is None
                  else [("regex", _compile_onig(_GGUF_PRE[pre]), "isolated", False)])
         normalizer = _build_normalizer({"type": "NFC"}) if pre == "qwen2" else None

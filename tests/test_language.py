@@ -88,14 +88,24 @@ def reference_sources():
 @pytest.mark.parametrize("text", [SAMPLE] + [open(p).read() for p in reference_sources()],
                          ids=["sample"] + [os.path.relpath(p, ROOT) for p in reference_sources()])
 def test_text_module_binary_round_trips(text):
-    module = language.parse(text)
+    # Reference packages may be parts of a multi-file module (judge uses bert's encoder):
+    # round-trip them as parts; whole packages are checked below.
+    module = language.parse(text, checked=False)
     printed = language.format_module(module)
-    assert language.parse(printed) == module                      # module -> text -> module
-    assert language.format_module(language.parse(printed)) == printed  # canonical text is a fixed point
+    assert language.parse(printed, checked=False) == module                      # module -> text -> module
+    assert language.format_module(language.parse(printed, checked=False)) == printed  # a fixed point
     data = bytecode.write(module)
     assert data.startswith(bytecode.MAGIC)
-    assert bytecode.read(data) == module                          # module -> binary -> module
-    assert bytecode.write(bytecode.read(data)) == data            # and the bytes are stable
+    assert bytecode.read(data, checked=False) == module                          # module -> binary -> module
+    assert bytecode.write(bytecode.read(data, checked=False)) == data            # and the bytes are stable
+
+
+@pytest.mark.parametrize("parts", [["affine/affine.loom"], ["llama/llama.loom"], ["bert/bert.loom"],
+                                   ["bert/bert.loom", "judge/judge.loom"]])
+def test_reference_packages_check(parts):
+    paths = [os.path.join(ROOT, "models", p) for p in parts]
+    merged = language.merge([language.load(p, checked=False) for p in paths], paths)
+    assert bytecode.read(bytecode.write(merged)) == merged
 
 
 def test_inline_source_survives_verbatim():

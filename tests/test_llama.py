@@ -9,7 +9,6 @@ import math
 import os
 
 import numpy as np
-import pyopencl as cl
 import pytest
 
 from conftest import ROOT
@@ -18,7 +17,7 @@ from test_runtime import q4_0, q8_0
 gguf = pytest.importorskip("gguf")
 
 from loom import runtime  # noqa: E402
-from loom.compiler import Compiler  # noqa: E402
+from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
 
 SOURCE = os.path.join(ROOT, "models", "llama", "llama.loom")
@@ -209,18 +208,12 @@ def forward(weights, arch, tokens, fmt="gguf"):
 
 # -- running the package --------------------------------------------------------------
 
-def sync_submit(fn, done):
-    try:
-        result, error = fn(), None
-    except Exception as e:  # handed to the caller, as the server's executor does
-        result, error = None, e
-    done(result, error)
 
 
 @pytest.fixture(scope="module")
 def device():
     dev = Device("cpu")
-    return dev, Compiler(dev, sync_submit)
+    return dev, Compiler(dev, run_now)
 
 
 def run_advance(prepared, tokens, page_ids):

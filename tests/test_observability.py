@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import read_response, reader
+from conftest import reader
 
 
 def families(server):

@@ -55,6 +55,7 @@ CORPUS = [
     "\u3000full\u00a0width\u2028line", "ｆｕｌｌ～｜＄", "a\x1cb\x1f c\x0b d\x0c", "zero\u200bwidth\ufeff",
     "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
     "text<|endoftext|>more <|endoftext|> ends", "<s>Hello</s> world <s>", "[CLS] hi [SEP] x [MASK]",
+    "<|begin_of_text|><|reserved_special_token_7|> <|reserved_special_token_|><|eot_id|>",
     "<tool> call </tool>  NOTE: note NOTEbook", "a<unk>b", "<0x41> literal byte token",
     "x" * 300, " " * 40 + "y", "'ſ 'K 'S ’s", "ab\u0300\u0301\u0302\u0303 stacked",
     "mixed 日本 text 123 with 😀 emoji", "\u2581already\u2581metaspace",
@@ -86,6 +87,8 @@ def byte_level_spec(kind):
                 "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
                 "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]}[kind]
     _train(tok, 900, specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if kind == "llama3":  # Llama-3 reserves a few hundred more special tokens
+        tok.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(250)])
     spec = json.loads(tok.to_str())
     if kind == "llama3":
         bos = tok.token_to_id("<|begin_of_text|>")
@@ -597,8 +600,12 @@ def test_regex_translation_matches_oniguruma_classes():
     # letters newer than Python's Unicode tables (U+1C89, Unicode 16).
     rx = T._compile_onig(r"\s+|\p{L}+|\p{N}+|[^\s\p{L}\p{N}]+")
     assert rx.findall("a\x1cb \u1c89\u1c8a 12") == ["a", "\x1c", "b", " ", "\u1c89\u1c8a", " ", "12"]
-    assert T._compile_onig(r"(?i:'s)").fullmatch("'S")
+    # astral letters and digits (the text then takes the full-range copy of the pattern)
+    assert rx.findall("\U00010400\U00010428 \U0001d7ce!") == [
+        "\U00010400\U00010428", " ", "\U0001d7ce", "!"]
+    assert T._compile_onig(r"(?i:'s)").findall("'S 's") == ["'S", "'s"]
     assert T._compile_onig(r"^a$").findall("a\na") == ["a", "a"]  # Ruby anchors are per line
+    assert T._compile_onig(r"\x{1F600}+").findall("a\U0001F600\U0001F600") == ["\U0001F600" * 2]
 
 
 # ----------------------------------------------------------------------------- properties

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from test_registry import SOURCE, call, status_of, wait_phase
+from test_registry import SOURCE, call, wait_phase
 from test_runtime import reference, write_gguf
 
 DOUBLED = open(SOURCE).read().replace(
