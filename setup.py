@@ -1,4 +1,7 @@
 """Build Loom: the pure-Python package plus its Cython hot paths in loom/_native."""
+import glob
+import os
+
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 
@@ -35,5 +38,8 @@ setup(
         ],
     },
     package_data={"loom": ["py.typed"]},
+    # The kernel library and reference packages, found by loom.resource() after a regular install.
+    data_files=[("share/loom/opencl", glob.glob("opencl/*"))]
+    + [(os.path.join("share/loom", d), glob.glob(os.path.join(d, "*"))) for d in glob.glob("models/*")],
     zip_safe=False,
 )

@@ -58,7 +58,7 @@ __all__ = ["Compiler", "Executable", "BuildFailure", "LIBRARY", "LOG_CHARS", "ru
 
 log = logging.getLogger("loom.compiler")
 
-LIBRARY = Path(loom.__file__).resolve().parent.parent / "opencl"
+LIBRARY = Path(loom.resource("opencl"))
 LOG_CHARS = 64 << 10      # build log kept per outcome (its head)
 MESSAGE_CHARS = 300       # the one-line failure message
 

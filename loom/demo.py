@@ -13,8 +13,9 @@ import os
 
 log = logging.getLogger("loom.demo")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = os.path.join(ROOT, "models")
+from . import resource
+
+MODELS = resource("models")
 
 
 def minilm_dir():

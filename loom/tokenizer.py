@@ -345,11 +345,12 @@ def _stand_ins(pattern: str):
 
 
 def _translate_onig(pattern: str, bmp_only: bool) -> str:
-    """Compile an Oniguruma (Ruby syntax) pattern with Python's re.
+    """An Oniguruma (Ruby syntax) pattern as Python re source.
 
-    \\p{..} classes, \\s, \\d, \\w and \\h are expanded to explicit Unicode ranges; ^/$ are line
-    anchors and (?m) means dot-all, as in Ruby.  Constructs without an exact re equivalent
-    (nested classes, set intersection, named properties other than general categories) raise.
+    \\p{..} classes, \\s, \\d, \\w and \\h become explicit Unicode ranges (cut to the BMP when
+    bmp_only); ^/$ stay line anchors (compiled with re.M) and Ruby's (?m) becomes (?s).
+    Constructs without an exact re equivalent (nested classes, set intersection, properties
+    other than general categories, such as scripts) raise TokenizerError.
     """
     out, i, n, in_class = [], 0, len(pattern), False
     while i < n:
@@ -373,6 +374,8 @@ def _translate_onig(pattern: str, bmp_only: bool) -> str:
                 ranges, negate, i = _ESCAPE_CLASSES[e.lower()](), e.isupper(), i + 2
             elif e == "x" and pattern.startswith("{", i + 2):
                 j = pattern.find("}", i + 3)
+                if j < 0 or not re.fullmatch(r"[0-9A-Fa-f]{1,6}", pattern[i + 3:j]):
+                    raise TokenizerError(f"bad \\x{{..}} escape in {pattern!r}")
                 out.append("\\U%08x" % int(pattern[i + 3:j], 16))
                 i = j + 1
                 continue
@@ -598,6 +601,8 @@ class _SentencePieceBPE:
     def word(self, w: str) -> tuple:
         sym = list(w)
         n = len(sym)
+        if not n:
+            return ()
         scores = self.scores
         heap = []
         if n > 1:
@@ -682,7 +687,8 @@ class _WordPiece:
 
 # --------------------------------------------------------------------------- normalizers
 
-def _pattern(spec) -> re.Pattern:
+def _pattern(spec):
+    """A tokenizer.json {"String": ..} or {"Regex": ..} pattern (re.Pattern or _Rx)."""
     if not isinstance(spec, dict) or len(spec) != 1:
         raise TokenizerError(f"bad pattern {spec!r}")
     (kind, value), = spec.items()
@@ -1081,8 +1087,7 @@ class Tokenizer:
         self._model = model
         self._normalize = normalizer
         added = list(added)
-        vocab = getattr(model, "vocab")
-        self._id_to_token: dict = {i: t for t, i in vocab.items()}
+        self._id_to_token: dict = {i: t for t, i in model.vocab.items()}
         for a in added:  # HF names a normalized added token by its normalized text
             self._id_to_token[a.id] = normalizer(a.content) if a.normalized and normalizer \
                 else a.content
@@ -1512,6 +1517,7 @@ _GGUF_PRE = {
              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _GGUF_PRE["llama3"] = _GGUF_PRE["llama-bpe"]
+_GGUF_PRE["smollm"] = None  # GPT-2's regex after isolating every digit (HF: Digits + ByteLevel)
 # token_type values in GGUF
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
@@ -1581,8 +1587,9 @@ def _from_gguf(md: dict) -> Tokenizer:
         # Meta's Llama-3 tokenizer.json (and llama.cpp for "llama-bpe") ignore merges for
         # words that are whole tokens.
         model = _BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3"))
-        steps = ([("regex", _compile_onig(_GPT2_REGEX), "isolated", False)] if _GGUF_PRE[pre] is None
-                 else [("regex", _compile_onig(_GGUF_PRE[pre]), "isolated", False)])
+        steps = [("regex", _compile_onig(_GGUF_PRE[pre] or _GPT2_REGEX), "isolated", False)]
+        if pre == "smollm":
+            steps.insert(0, ("regex", _compile_onig(r"\p{N}"), "isolated", False))
         normalizer = _build_normalizer({"type": "NFC"}) if pre == "qwen2" else None
         decoder = [("bytelevel",)]
         add_bos = bool(get("add_bos_token", False))
