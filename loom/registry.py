@@ -112,8 +112,8 @@ class Registration:
 
     def capability(self):
         p = self.prepared
-        loom = {"kind": self.kind, "endpoint": ENDPOINTS[self.kind], "tokenize": False,
-                "admission": self.admission}
+        loom = {"kind": self.kind, "endpoint": ENDPOINTS[self.kind],
+                "tokenize": bool(p is not None and p.tokenizer is not None), "admission": self.admission}
         if self.kind in ("text", "sequence"):
             loom["context_length"] = self.doc["context_length"]
             loom["limits"] = {"max_output_tokens": self.doc["max_output_tokens"]}

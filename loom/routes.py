@@ -9,7 +9,7 @@ with Allow; anything else is 404.
 import os
 import time
 
-from . import __version__, decisions, embeddings, logs, registry
+from . import __version__, decisions, embeddings, logs, registry, text
 from .http import HTTPError, Response, Stream
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 
@@ -152,6 +152,8 @@ ROUTES = [
     ("GET", "/v1/requests", requests),
     ("POST", "/v1/embeddings", embeddings.create),
     ("POST", "/v1/systemone", decisions.create),
+    ("POST", "/tokenize", text.tokenize),
+    ("POST", "/detokenize", text.detokenize),
 ] + registry.ROUTES
 
 

@@ -461,8 +461,8 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")
 # --------------------------------------------------------------------------- models
 
 # Longest pre-token whose result is kept in the LRU (longer ones are rare and would pin memory).
-_CACHE_WORD_CHARS = 128
-_CACHE_SIZE = 1 << 16
+_CACHE_WORD_CHARS = 48
+_CACHE_SIZE = 1 << 15
 
 
 class _BPE:

@@ -231,3 +231,36 @@ def test_systemone_strict_json(server):
                 b'{"model": "judge", "state": "\xff", "questions": {}}'):
         status, body = decide(server, None, raw)
         assert status == 400, raw
+
+
+def test_tokenize_and_detokenize(server):
+    def post(path, body):
+        status, _, data = server.request("POST", path, body=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        return status, json.loads(data)
+
+    tok = tokenizers.Tokenizer.from_file(os.path.join(MODEL_DIR, "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    status, body = post("/tokenize", {"model": "vectors", "content": "Hello, World!"})
+    assert status == 200 and body["tokens"] == tok.encode("Hello, World!", add_special_tokens=False).ids
+    status, framed = post("/tokenize", {"model": "vectors", "content": "Hello", "add_special": True})
+    assert framed["tokens"] == tok.encode("Hello").ids                       # [CLS] hello [SEP]
+    assert post("/tokenize", {"model": "vectors", "content": ""}) == (200, {"tokens": []})
+    status, body = post("/detokenize", {"model": "vectors", "tokens": framed["tokens"]})
+    assert status == 200 and body["content"] == tok.decode(framed["tokens"], skip_special_tokens=False)
+    assert post("/detokenize", {"model": "vectors", "tokens": []}) == (200, {"content": ""})
+    cases = [
+        ("/tokenize", {"model": "nope", "content": "x"}, 404, "model_not_found"),
+        ("/tokenize", {"model": "vectors", "content": "x", "with_pieces": True}, 400, "unsupported_value"),
+        ("/tokenize", {"model": "vectors", "prompt": "x"}, 400, "unknown_field"),
+        ("/tokenize", {"model": "vectors", "content": "x", "add_special_tokens": True}, 400, "unknown_field"),
+        ("/tokenize", {"model": "vectors", "content": "x" * (1 << 20 + 1)}, 413, "content_too_large"),
+        ("/detokenize", {"model": "vectors", "tokens": [10 ** 6]}, 400, "invalid_value"),
+        ("/detokenize", {"model": "vectors", "tokens": ["a"]}, 400, "invalid_type"),
+    ]
+    for path, body, status, code in cases:
+        got_status, got = post(path, body)
+        assert (got_status, got["error"]["code"]) == (status, code), (path, body, got)
+    models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
+    assert models["vectors"]["loom"]["tokenize"] is True

@@ -56,7 +56,7 @@ CORPUS = [
     "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
     "text<|endoftext|>more <|endoftext|> ends", "<s>Hello</s> world <s>", "[CLS] hi [SEP] x [MASK]",
     "<|begin_of_text|><|reserved_special_token_7|> <|reserved_special_token_|><|eot_id|>",
-    "<tool> call </tool>  NOTE: note NOTEbook", "a<unk>b", "<0x41> literal byte token",
+    "<tool> call </tool>  NOTE: note NOTEbook", "say hello world, hello  world", "a<unk>b", "<0x41> literal byte token",
     "x" * 300, " " * 40 + "y", "'ſ 'K 'S ’s", "ab\u0300\u0301\u0302\u0303 stacked",
     "mixed 日本 text 123 with 😀 emoji", "\u2581already\u2581metaspace",
 ]
@@ -75,6 +75,10 @@ def byte_level_spec(kind):
     tok = HFTokenizer(models.BPE())
     if kind == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif kind == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False)])
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(LLAMA3_REGEX if kind == "llama3" else QWEN2_REGEX),
@@ -83,7 +87,7 @@ def byte_level_spec(kind):
     if kind == "qwen2":
         tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
-    specials = {"gpt2": ["<|endoftext|>"],
+    specials = {"gpt2": ["<|endoftext|>"], "smollm": ["<|endoftext|>", "<|im_start|>"],
                 "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
                 "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]}[kind]
     _train(tok, 900, specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -227,6 +231,7 @@ BUILDERS = {
     "gpt2": lambda: byte_level_spec("gpt2"),
     "llama3": lambda: byte_level_spec("llama3"),
     "qwen2": lambda: byte_level_spec("qwen2"),
+    "smollm": lambda: byte_level_spec("smollm"),
     "sp": sp_spec,
     "sp_cross": lambda: sp_spec(cross_words=True),
     "sp_metaspace": sp_metaspace_spec,
@@ -235,7 +240,7 @@ BUILDERS = {
     "gpt2_flags": lambda: flagged_spec(byte_level_spec("gpt2")),
     "sp_flags": lambda: flagged_spec(sp_spec()),
 }
-BYTE_LEVEL = ["gpt2", "llama3", "qwen2"]
+BYTE_LEVEL = ["gpt2", "llama3", "qwen2", "smollm"]
 SENTENCEPIECE = ["sp", "sp_cross", "sp_metaspace"]
 _SPECS: dict = {}
 
@@ -294,6 +299,10 @@ def test_corpus_exercises_the_interesting_cases():
     assert ids[0] == p.ours.special["<|im_start|>"]
     assert p.ours.special["<|im_start|>"] not in p.ours.encode("<|im_start|>hi",
                                                                parse_special=False)
+    flags = pair("gpt2_flags").ours
+    ids = flags.encode("x  <tool>  call </tool>  NOTE: NOTEbook hello world")
+    for name, count in (("<tool>", 1), ("</tool>", 1), ("NOTE", 1), ("hello world", 1)):
+        assert ids.count(flags.special[name]) == count, name
     sp = pair("sp").ours
     assert sp.encode("hi", add_special=True)[0] == sp.bos_id == sp.special["<s>"]
     assert sp.encode("hi", add_special=False)[0] != sp.bos_id
@@ -444,7 +453,8 @@ def _tokens_by_id(spec):
     return [table[i] for i in range(len(table))]
 
 
-@pytest.mark.parametrize("name,pre", [("gpt2", "gpt2"), ("llama3", "llama-bpe"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("name,pre", [("gpt2", "gpt2"), ("llama3", "llama-bpe"), ("qwen2", "qwen2"),
+                                      ("smollm", "smollm")])
 def test_gguf_gpt2_matches_tokenizer_json(tmp_path, name, pre):
     p = pair(name)
     tokens = _tokens_by_id(p.spec)
@@ -608,6 +618,44 @@ def test_regex_translation_matches_oniguruma_classes():
     assert T._compile_onig(r"\x{1F600}+").findall("a\U0001F600\U0001F600") == ["\U0001F600" * 2]
 
 
+@pytest.mark.parametrize("pattern", [T._GPT2_REGEX, LLAMA3_REGEX, QWEN2_REGEX])
+def test_astral_shadow_matches_full_classes(pattern):
+    # Astral text is searched with BMP-only classes on a same-length "shadow"; the spans must be
+    # those of the full-class pattern on the original text.
+    rx = T._compile_onig(pattern)
+    assert rx.stand_ins is not None
+    r = random.Random(3)
+    pool = [chr(c) for c in range(0x10000, 0x110000, 97)] + list("aZ1 '\n\t.,sTé日") + [
+        "\U0001d400", "\U0001d7ce", "\U00010428", "\U0001f600", "\U00020000", "\U000e0001"]
+    for _ in range(300):
+        text = "".join(r.choice(pool) for _ in range(r.randint(1, 30)))
+        want = [m.span() for m in rx.full.finditer(text)]
+        pattern_used, view = rx.view(text)
+        assert len(view) == len(text)
+        assert [m.span() for m in pattern_used.finditer(view)] == want, text
+    for unsafe in (r"[a-z]+", r"(?i:\p{Ll})", r"\x{1F600}", r"\bx", "[\U0001F600]"):
+        assert T._compile_onig(unsafe).stand_ins is None
+
+
+def test_native_and_python_merge_loops_agree(monkeypatch):
+    spec = spec_of("sp_cross")
+    model = T.from_tokenizer_json(json.dumps(spec))._model
+    r = random.Random(9)
+    alphabet = [model.vocab[t] for t in model.vocab if len(t) == 1]
+    for n in list(range(0, 12)) + [100, 2000]:
+        ids = [r.choice(alphabet) for _ in range(n)]
+        want = model.merge_py(list(ids))
+        if model.table is not None:  # the Cython loop is built
+            assert model.table.merge(list(ids)) == want
+    # the whole pipeline on the pure-Python loop still equals HF
+    monkeypatch.setattr(T, "_native_bpe", None)
+    for name in ("llama3", "sp_cross"):
+        tok = T.from_tokenizer_json(json.dumps(spec_of(name)))
+        assert tok._model.table is None
+        for text in CORPUS:
+            assert tok.encode(text) == pair(name).hf_ids(text)
+
+
 # ----------------------------------------------------------------------------- properties
 
 # Any code point, or text built from the pieces where tokenizers disagree most easily.
@@ -616,8 +664,8 @@ _TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40) | st.lis
     max_size=30).map("".join)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama3", "qwen2", "sp", "sp_cross"])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("name", ["gpt2", "llama3", "qwen2", "smollm", "sp", "sp_cross"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=_TEXT, parse_special=st.booleans())
 def test_random_text_equals_hf_and_round_trips(name, text, parse_special):
     p = pair(name)
