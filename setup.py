@@ -5,7 +5,7 @@ import os
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 
-NATIVE = ["framing", "multipart"]
+NATIVE = ["framing", "multipart", "bpe"]
 
 setup(
     name="loom",

@@ -1,14 +1,18 @@
-"""Tokenizers: byte-level BPE (GPT-2, Llama-3, Qwen2), SentencePiece-style BPE with byte
-fallback (Llama-2, Mistral) and WordPiece (BERT).
+"""Tokenizers: byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM), SentencePiece-style BPE with
+byte fallback (Llama-2, Mistral) and WordPiece (BERT).
 
-Loaded from a Hugging Face ``tokenizer.json``, a folder with ``vocab.txt`` (WordPiece), or
-the ``tokenizer.ggml.*`` keys of GGUF metadata.  Encoding and decoding follow the Hugging Face
+Loaded from a Hugging Face ``tokenizer.json``, a folder with ``vocab.txt`` (WordPiece), or the
+``tokenizer.ggml.*`` keys of GGUF metadata.  Encoding and decoding follow the Hugging Face
 ``tokenizers`` library step for step (added tokens -> normalizer -> pre-tokenizer -> model ->
 post-processor; decoder chain), so ids are equal.  Standard library + numpy only: the Unicode
-classes that HF's Oniguruma regexes and Rust tables use are rebuilt from ``unicodedata``.
+classes of HF's Oniguruma regexes and Rust tables are rebuilt from ``unicodedata`` (plus small
+tables for where HF's Unicode versions differ from Python's), and Oniguruma patterns are
+translated to ``re``.  ``loom._native.bpe`` (Cython) runs the BPE merge loop when built; the
+pure-Python loop here gives the same ids.
 
-Every part is bounded: BPE runs on one pre-token with a heap (O(n log n)), results are cached
-per pre-token in a bounded LRU, and ids outside the vocabulary are rejected.
+Bounded for untrusted text: BPE runs per pre-token with a heap (O(n log n), no length cap, so
+ids never depend on one), results are cached per short pre-token in a bounded LRU, added-token
+matching is linear, and decoding rejects ids outside the vocabulary.
 """
 from __future__ import annotations
 
@@ -174,11 +178,13 @@ class _Rx:
     classes about 6x slower.  Text without astral characters matches the same either way, so
     it gets the fast copy.  When only spans are needed and the pattern tells characters apart
     by general category alone (`stand_ins`), astral text is searched as a "shadow" in which each
-    astral character is replaced by a BMP character of the same category."""
+    astral character is replaced by a BMP character of the same category.  A one-class pattern
+    given its `members` (a per-code-point mask) also takes the fast copy when none of the
+    astral characters present belongs to the class."""
 
-    __slots__ = ("full", "fast", "groups", "stand_ins")
+    __slots__ = ("full", "fast", "groups", "stand_ins", "members")
 
-    def __init__(self, build, flags=0, stand_ins=None):  # build(bmp_only) -> pattern source
+    def __init__(self, build, flags=0, stand_ins=None, members=None):  # build(bmp_only) -> source
         self.full = re.compile(build(False), flags)
         try:
             self.fast = re.compile(build(True), flags)
@@ -186,16 +192,22 @@ class _Rx:
             self.fast = self.full
         self.groups = self.full.groups
         self.stand_ins = stand_ins if self.fast is not self.full else None
+        self.members = members
 
     def pick(self, s: str) -> re.Pattern:
-        return self.full if self.fast is not self.full and _ASTRAL.search(s) else self.fast
+        if self.fast is self.full:
+            return self.full
+        if self.members is None:
+            return self.full if _ASTRAL.search(s) else self.fast
+        members = self.members
+        if any(members[ord(c)] for c in set(_ASTRAL.findall(s))):
+            return self.full
+        return self.fast
 
     def view(self, s: str) -> tuple:
         """(pattern, text of the same length) whose match spans are the spans in s."""
-        if self.fast is self.full or not _ASTRAL.search(s):
-            return self.fast, s
-        if self.stand_ins is None:
-            return self.full, s
+        if self.stand_ins is None or not _ASTRAL.search(s):
+            return self.pick(s), s
         cats, reps = _category_array(True), self.stand_ins
         return self.fast, _ASTRAL.sub(lambda m: reps[cats[ord(m.group())]], s)
 
@@ -207,6 +219,9 @@ class _Rx:
 
     def sub(self, repl, s):
         return self.pick(s).sub(repl, s)
+
+    def split(self, s):
+        return self.pick(s).split(s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,17 +244,23 @@ def _bert_classes() -> dict:
     for c in "\t\n\r":
         ctl[ord(c)] = False
     ws = _ranges_body(_WS_RANGES)
-    cls = lambda fmt, *masks: _Rx(lambda bmp: fmt % tuple(  # noqa: E731
-        _ranges_body(_bmp(r) if bmp else r) for r in masks))
-    p = _mask_ranges(punct)
+    cjk = np.zeros(0x110000, dtype=bool)
+    for lo, hi in _CJK_RANGES:
+        cjk[lo:hi + 1] = True
+
+    def cls(fmt, mask, uses=1):
+        ranges = _mask_ranges(mask)
+        return _Rx(lambda bmp: fmt % ((_ranges_body(_bmp(ranges) if bmp else ranges),) * uses),
+                   members=mask)
     return {
-        "control": cls("[%s]+", _mask_ranges(ctl)),
+        "control": cls("[%s]+", ctl),
         "space": re.compile("[%s]" % ws.replace("\\U00000020", "")),  # ' ' is already ' '
-        "mn": cls("[%s]+", _mask_ranges(mn)),
-        "cjk": cls("[%s]", _CJK_RANGES),
-        "punct_char": cls("[%s]", p),
-        # BertPreTokenizer: drop whitespace, isolate each punctuation char, keep other runs.
-        "pretok": cls("[%s]|[^%s" + ws + "]+", p, p),
+        "mn": cls("[%s]+", mn),
+        "cjk": cls("([%s])", cjk),
+        "punct_char": cls("[%s]", punct),
+        # BertPreTokenizer: drop whitespace, isolate each punctuation char, keep other runs
+        # (an astral character outside the class is an "other" either way).
+        "pretok": cls("[%s]|[^%s" + ws + "]+", punct, uses=2),
     }
 
 
@@ -748,8 +769,8 @@ def _bert_normalizer(clean_text, handle_chinese, strip_accents, lowercase):
     def normalize(s):
         if clean_text:
             s = t["space"].sub(" ", t["control"].sub("", s))
-        if handle_chinese:
-            s = t["cjk"].sub(lambda m: " " + m.group() + " ", s)
+        if handle_chinese:  # " ".join of the split puts a space on each side of each one
+            s = " ".join(t["cjk"].split(s))
         if strip_accents and not s.isascii():  # ASCII has no marks and is its own NFD
             s = t["mn"].sub("", unicodedata.normalize("NFD", s))
         if lowercase:
@@ -1052,22 +1073,26 @@ class _AddedMatcher:
             out.append((s, at0))
             return
         start, n = 0, len(s)
+        ws_from = ws_end = -1  # the last whitespace run an rstrip scanned (keeps this linear)
         for m in self.rx.finditer(s):
             a, b = m.span()
+            if a < start:  # inside the whitespace an rstrip token already took
+                continue
             tok = self.by_text[m.group()]
             if tok.special and not parse_special:
                 continue
             if tok.single_word and ((a and self._WORD.match(s[a - 1])) or
                                     (b < n and self._WORD.match(s[b]))):
                 continue
-            if tok.lstrip:
-                k = a
-                while k > 0 and s[k - 1] in _WS:
-                    k -= 1
-                a = max(k, start)
+            if tok.lstrip:  # spaces before it, but not those a previous token took
+                while a > start and s[a - 1] in _WS:
+                    a -= 1
             if tok.rstrip:
-                while b < n and s[b] in _WS:
-                    b += 1
+                if not ws_from <= b <= ws_end:
+                    ws_from = ws_end = b
+                    while ws_end < n and s[ws_end] in _WS:
+                        ws_end += 1
+                b = ws_end
             if start < a:
                 out.append((s[start:a], at0 and start == 0))
             out.append(tok.id)

@@ -57,7 +57,7 @@ CORPUS = [
     "text<|endoftext|>more <|endoftext|> ends", "<s>Hello</s> world <s>", "[CLS] hi [SEP] x [MASK]",
     "<|begin_of_text|><|reserved_special_token_7|> <|reserved_special_token_|><|eot_id|>",
     "<tool> call </tool>  NOTE: note NOTEbook", "say hello world, hello  world", "a<unk>b", "<0x41> literal byte token",
-    "x" * 300, " " * 40 + "y", "'ſ 'K 'S ’s", "ab\u0300\u0301\u0302\u0303 stacked",
+    "x" * 300, " " * 40 + "y", "a \t\t\t\t\t  \t\tb\t\t", " \t" * 30, "'ſ 'K 'S ’s", "ab\u0300\u0301\u0302\u0303 stacked",
     "mixed 日本 text 123 with 😀 emoji", "\u2581already\u2581metaspace",
 ]
 
@@ -207,7 +207,8 @@ def flagged_spec(base):
     hf.add_tokens([AddedToken("<tool>", lstrip=True, rstrip=True, normalized=False),
                    AddedToken("</tool>", rstrip=True, normalized=False),
                    AddedToken("NOTE", single_word=True, normalized=True),
-                   AddedToken("hello world", normalized=True)])
+                   AddedToken("hello world", normalized=True),
+                   AddedToken("\t\t", rstrip=True, lstrip=True, normalized=False)])
     hf.add_special_tokens([AddedToken("<unk>", normalized=False)])
     return json.loads(hf.to_str())
 
@@ -688,3 +689,18 @@ def test_random_text_equals_hf_and_round_trips(name, text, parse_special):
 def test_random_text_equals_hf_other_models(name, text):
     p = pair(name)
     assert p.ours.encode(text, add_special=True) == p.hf_ids(text, add_special=True)
+
+
+_FLAG_TEXT = st.lists(st.sampled_from([
+    "<tool>", "</tool>", "NOTE", "note", "hello", " world", "hello world", "\t", "\t\t", " ", "  ",
+    "a", ":", "\n", "<unk>", "<|endoftext|>", "é", "😀", SPM]), max_size=25).map("".join)
+
+
+@pytest.mark.parametrize("name", ["gpt2_flags", "sp_flags"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_FLAG_TEXT, parse_special=st.booleans())
+def test_added_token_flags_equal_hf(name, text, parse_special):
+    p = pair(name)
+    ids = p.ours.encode(text, parse_special=parse_special)
+    assert ids == p.hf_ids(text, parse_special=parse_special)
+    assert p.ours.decode(ids) == p.hf.decode(ids, skip_special_tokens=False)
