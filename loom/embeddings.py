@@ -5,6 +5,10 @@ below it), DIM (the output width) and MAX_TOKENS (per input), and
 
     command embed(ids: buf, pos: buf, offsets: buf, out: buf, T: int, S: int)
 
+and, for packages whose policy lists reduced "dimensions",
+
+    command embed_narrow(ids: buf, pos: buf, offsets: buf, out: buf, T: int, S: int, W: int)
+
 where ids holds the S inputs' tokens back to back (int32[T]), pos each
 token's position within its input (int32[T]), offsets the inputs' boundaries
 (int32[S + 1]) and out receives float32[S, DIM].
@@ -63,9 +67,10 @@ def create(server, request):
     reg = server.registry.admit(body["model"], "embedding")
     prepared = reg.prepared
     request.model = reg.name
-    dim = prepared.spec("DIM")
-    if "dimensions" in body and body["dimensions"] != dim:
-        raise HTTPError(400, f"this model supports dimensions {dim} only", "unsupported_value", "dimensions")
+    width = body.get("dimensions", prepared.spec("DIM"))
+    if width not in supported_widths(prepared):
+        raise HTTPError(400, f"dimensions {width} is not a width this model supports: "
+                             f"{', '.join(map(str, supported_widths(prepared)))}", "unsupported_value", "dimensions")
     value = body["input"]
     texts = None
     if isinstance(value, str) or isinstance(value[0], str):
@@ -75,7 +80,7 @@ def create(server, request):
         sequences = None
     else:
         sequences = _check([value] if isinstance(value[0], int) else value, prepared)
-    job = Job(server, reg, request, sequences, body.get("encoding_format", "float"), texts)
+    job = Job(server, reg, request, sequences, body.get("encoding_format", "float"), texts, width)
     server.registry.enter(reg, job)  # may raise 503 on a full queue: nothing was allocated yet
     return job.deferred
 
@@ -89,8 +94,9 @@ class Job(registry.Job):
 
     what = "embedding"
 
-    def __init__(self, server, reg, request, sequences, encoding, texts=None):
+    def __init__(self, server, reg, request, sequences, encoding, texts=None, width=None):
         super().__init__(server, reg, request)
+        self.width = width or reg.prepared.spec("DIM")
         self.sequences = sequences
         self.texts = texts       # text inputs, tokenized on a worker once admitted
         self.tokens = sum(len(s) for s in sequences) if sequences else 0
@@ -154,7 +160,8 @@ class Batcher:
             if job.gone:
                 self.queue.popleft().finish()
                 continue
-            if jobs and (tokens + job.tokens > COHORT_TOKENS or inputs + len(job.sequences) > COHORT_INPUTS):
+            if jobs and (tokens + job.tokens > COHORT_TOKENS or inputs + len(job.sequences) > COHORT_INPUTS
+                         or job.width != jobs[0].width):   # one output width per cohort
                 break
             jobs.append(self.queue.popleft())
             tokens += job.tokens
@@ -181,9 +188,13 @@ class Cohort:
         ids, pos, offsets = pack(sequences)
         prepared = batcher.reg.prepared
         self.count = len(sequences)
-        runtime.run_stage(prepared, batcher.server.loop, "embed", {"T": int(ids.size), "S": self.count},
+        width = jobs[0].width
+        command, geometry = "embed", {"T": int(ids.size), "S": self.count}
+        if width != prepared.spec("DIM"):
+            command, geometry = "embed_narrow", dict(geometry, W=width)
+        runtime.run_stage(prepared, batcher.server.loop, command, geometry,
                           {"ids": ids, "pos": pos, "offsets": offsets},
-                          {"out": (np.float32, self.count * prepared.spec("DIM"))}, self.done)
+                          {"out": (np.float32, self.count * width)}, self.done)
 
     def done(self, values, error):
         rows = None if error is not None else values["out"].reshape(self.count, -1)
@@ -198,6 +209,15 @@ class Cohort:
             else:
                 job.deliver(mine)
         self.batcher.retired()
+
+
+def supported_widths(prepared):
+    """The package's own output width, plus reduced widths it computes itself
+    (its policy's "dimensions", served by an `embed_narrow` command)."""
+    widths = {prepared.spec("DIM")}
+    if prepared.binding.module.find("commands", "embed_narrow") is not None:
+        widths.update(w for w in prepared.policy.get("dimensions", []) if isinstance(w, int) and w > 0)
+    return sorted(widths)
 
 
 def pack(sequences):

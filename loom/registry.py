@@ -120,7 +120,9 @@ class Registration:
         if p is not None and p.variants:
             loom["variants"] = {"selected": p.selected, "count": len(p.variants)}
         if self.kind == "embedding" and p is not None:
+            from .embeddings import supported_widths
             loom["dimensions"] = p.spec("DIM")
+            loom["supported_dimensions"] = supported_widths(p)
             loom["max_input_tokens"] = p.spec("MAX_TOKENS")
         inputs, outputs = MODALITIES[self.kind]
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "local",

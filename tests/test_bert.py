@@ -264,3 +264,41 @@ def test_tokenize_and_detokenize(server):
         assert (got_status, got["error"]["code"]) == (status, code), (path, body, got)
     models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
     assert models["vectors"]["loom"]["tokenize"] is True
+
+
+def test_profiles_embeddings_example_with_a_reduced_width(server):
+    """PROFILES.md's example asks for dimensions 2: the package computes that width itself."""
+    status, _, body = server.request("POST", "/v1/embeddings", body=json.dumps(
+        {"model": "vectors", "input": ["a", "bbb"], "dimensions": 2, "encoding_format": "float"}).encode(),
+        headers={"Content-Type": "application/json"})
+    assert status == 200, body
+    data = json.loads(body)["data"]
+    full = embed(server, ["a", "bbb"])
+    for item, vector in zip(data, full):
+        want = vector[:2] / np.linalg.norm(vector[:2])
+        np.testing.assert_allclose(item["embedding"], want, atol=1e-5)
+    status, _, body = server.request("POST", "/v1/embeddings", body=json.dumps(
+        {"model": "vectors", "input": "a", "dimensions": 3}).encode(), headers={"Content-Type": "application/json"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "dimensions"
+
+
+def test_a_client_leaving_its_cohort_does_not_disturb_its_peers(server, token_ids):
+    from conftest import read_response
+    alone = embed(server, token_ids[:6])
+    socks = []
+    for ids in token_ids[:6]:
+        sock = server.raw()
+        body = json.dumps({"model": "vectors", "input": [ids]}).encode()
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        socks.append(sock)
+    for sock in socks[::2]:
+        sock.close()                      # these clients leave at once
+    for i in (1, 3, 5):
+        status, _, body = read_response(socks[i])
+        assert status == 200
+        np.testing.assert_allclose(json.loads(body)["data"][0]["embedding"], alone[i], atol=1e-5)
+        socks[i].close()
+    status = json.loads(server.request("GET", "/v1/status")[2])
+    vectors = next(r for r in status["registrations"] if r["model"] == "vectors")
+    assert vectors["requests"]["in_flight"] == 0 and vectors["requests"]["waiting"] == 0
