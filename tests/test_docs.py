@@ -16,17 +16,19 @@ def blocks(path, start, end):
 
 
 @pytest.mark.parametrize("path,start,end", [
-    ("docs/operations.md", "## Registration lifecycle", "## Device and memory"),
+    ("docs/operations.md", "## Registration lifecycle", "## Tokenizer utilities"),
     ("docs/operations.md", "## Observability", "### Logs"),
     ("README.md", "With the server running", "Any OpenAI client"),
+    ("docs/operations.md", "## Tokenizer utilities", "## Device and memory"),
 ])
 def test_doc_examples_run(live_server, path, start, end, tmp_path):
-    server = live_server() if path != "README.md" else _start_live(tmp_path, (), default_catalog=True)
+    default = path == "README.md" or start == "## Tokenizer utilities"   # examples that use the default catalog
+    server = _start_live(tmp_path, (), default_catalog=True) if default else live_server()
     script = "\n".join(b for b in blocks(path, start, end) if "curl -N" not in b)  # streams never end
     script = script.replace("127.0.0.1:8080", f"127.0.0.1:{server.port}").replace("/tmp/", f"{tmp_path}/")
     out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + ":" + os.environ["PATH"]))
-    if path == "README.md":
+    if default:
         server.stop()
     assert out.returncode == 0, out.stderr
     assert '"error":{' not in out.stdout, out.stdout
