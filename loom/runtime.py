@@ -293,11 +293,13 @@ class ExecPlan:
         self.executables = []
 
 
-def run_stage(prepared, loop, command, geometry, inputs, outputs, done):
+def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None):
     """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
     `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
     Copies are non-blocking and the wait for the device happens on a worker, so
-    the loop never blocks on the device."""
+    the loop never blocks on the device. With `after(buffers, finish)` the outputs
+    stay on the device for more work queued behind the plan (sampling), which
+    calls finish(values, error) itself."""
     pool, queue = prepared.device.pool, prepared.device.queue
     buffers, host = {}, []
 
@@ -323,6 +325,9 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done):
             finish(None, error)
             return
         plan.run(buffers)
+        if after is not None:
+            after(buffers, finish)
+            return
         transfers = {name: prepared.device.download_async(buffers[name], dtype, count)
                      for name, (dtype, count) in outputs.items()}
         loop.run_in_executor(lambda: {name: t.wait() for name, t in transfers.items()}, finish)

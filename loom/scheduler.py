@@ -1,0 +1,209 @@
+"""Continuous batching for text deployments: rows, paged KV, cohorts, device sampling.
+
+One TextEngine per prepared text deployment. A sequence (a prompt plus its
+sampling parameters) takes an execution row and pages from the deployment's
+KV pool. Each step forms one cohort: decode tokens of running rows plus
+prefill chunks of new prompts (at most `chunk` tokens of one prompt per step,
+so a long prompt never stalls decoding rows for more than one chunk), within
+a token budget. The package's `advance` command runs the cohort, the library
+sampler (opencl/sample.cl) picks each row's next token on the device, and
+only the token ids come back. One step is in flight at a time: each step's
+keys and values are the next step's context.
+
+A row whose consumer is not ready (a slow reader) sits out until it is; a
+cancelled sequence leaves at the next step boundary and its pages go back to
+the pool once the step that used them has retired.
+"""
+
+import collections
+
+import numpy as np
+
+from . import runtime
+from .kvcache import OutOfPages, PagePool, RowPages
+
+
+class Sequence:
+    """One generation: prompt in, tokens out through callbacks on the loop thread."""
+
+    def __init__(self, prompt, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=(),
+                 on_token=None, on_done=None, ready=None):
+        self.prompt = list(prompt)
+        self.max_tokens = max_tokens
+        self.params = (float(temperature), float(top_p), float(top_k), 0.0)
+        self.seed = int(seed) & 0xFFFFFFFF ^ (int(seed) >> 32) & 0xFFFFFFFF
+        self.stop_ids = set(stop_ids)
+        self.on_token = on_token or (lambda token: None)
+        self.on_done = on_done or (lambda reason: None)
+        self.ready = ready or (lambda: True)     # False: the consumer is backed up; sit out
+        self.row = None
+        self.fed = 0              # prompt tokens already in the KV cache
+        self.generated = []
+        self.pending = None       # the sampled token not yet fed back
+        self.finish_reason = None
+        self.cancelled = False
+
+
+class TextEngine:
+    def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256):
+        self.prepared = prepared
+        self.loop = loop
+        self.vocab = prepared.spec("V")
+        self.max_pages = prepared.spec("MAX_PAGES")
+        self.pool = PagePool(pages, page_size)
+        self.rows = [None] * rows            # the Sequence in each row
+        self.tables = [RowPages(self.pool, self.max_pages) for _ in range(rows)]
+        self.waiting = collections.deque()
+        self.chunk = chunk
+        self.token_budget = token_budget
+        self.busy = False
+        self.steps = 0
+        self.sampler = prepared.compiler.compile(prepared.compiler.library_source("sample"), {"V": self.vocab},
+                                                 name="sample")
+
+    # -- requests ---------------------------------------------------------------
+    def submit(self, seq):
+        if not seq.prompt:
+            raise ValueError("an empty prompt")
+        self.waiting.append(seq)
+        self._kick()
+
+    def cancel(self, seq):
+        seq.cancelled = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._kick()
+
+    def wake(self):
+        """A consumer that was not ready is ready again (its output drained)."""
+        self._kick()
+
+    def _kick(self):
+        if not self.busy:
+            self.busy = True
+            self.loop.call_soon(self._step)
+
+    # -- steps ------------------------------------------------------------------
+    def _retire(self, row, reason):
+        seq = self.rows[row]
+        self.rows[row] = None
+        self.tables[row].clear()
+        seq.finish_reason = reason
+        seq.row = None
+        if reason != "cancelled":
+            seq.on_done(reason)
+
+    def _admit(self):
+        for row in range(len(self.rows)):
+            if self.rows[row] is None and self.waiting:
+                seq = self.waiting.popleft()
+                seq.row = row
+                self.rows[row] = seq
+
+    def _step(self):
+        for row, seq in enumerate(self.rows):
+            if seq is not None and seq.cancelled:
+                self._retire(row, "cancelled")
+        self._admit()
+        work, budget = [], self.token_budget
+        for row, seq in enumerate(self.rows):
+            if seq is None or budget <= 0:
+                continue
+            if seq.fed < len(seq.prompt):
+                ids = seq.prompt[seq.fed:seq.fed + min(self.chunk, budget)]
+            elif seq.pending is not None and seq.ready():
+                ids = [seq.pending]
+            else:
+                continue
+            table = self.tables[row]
+            try:
+                table.reserve(table.length + len(ids))
+            except OutOfPages:
+                if table.length + len(ids) > self.max_pages * self.pool.page_size:
+                    self._retire(row, "length")   # the context is full
+                continue                          # the pool is full: wait for pages to free
+            work.append((row, ids))
+            budget -= len(ids)
+        if not work:
+            self.busy = False
+            return
+        self._run(work)
+
+    def _run(self, work):
+        tokens, pos, row_of, last = [], [], [], []
+        for row, ids in work:
+            start = self.tables[row].length
+            tokens += ids
+            pos += range(start, start + len(ids))
+            row_of += [row] * len(ids)
+            last.append(len(tokens) - 1)
+        # The step's rows, in order, are the cohort rows 0..R-1 of this launch.
+        cohort_rows = [row for row, _ in work]
+        remap = {row: i for i, row in enumerate(cohort_rows)}
+        tables = np.stack([self.tables[row].table() for row in cohort_rows])
+        params = np.array([self.rows[row].params for row in cohort_rows], np.float32)
+        seeds = np.array([[self.rows[row].seed, len(self.rows[row].generated)] for row in cohort_rows], np.uint32)
+        inputs = {"tokens": np.array(tokens, np.int32), "pos": np.array(pos, np.int32),
+                  "row_of": np.array([remap[r] for r in row_of], np.int32), "pages": tables.ravel(),
+                  "last": np.array(last, np.int32)}
+        R = len(work)
+        self.steps += 1
+        runtime.run_stage(self.prepared, self.loop, "advance", {"T": len(tokens), "R": R}, inputs,
+                          {"logits": (np.float32, R * self.vocab)},
+                          lambda values, error: self._stepped(work, values, error),
+                          after=lambda buffers, finish: self._sample(buffers, R, params, seeds, finish))
+
+    def _sample(self, buffers, R, params, seeds, done):
+        """Runs after `advance` on the same in-order queue: logits -> token ids on the device."""
+        import pyopencl as cl
+        device = self.prepared.device
+        pool = device.pool
+        owner = self.prepared.name
+        extra = {"params": pool.alloc(params.nbytes, owner, "workspace", host=params),
+                 "seeds": pool.alloc(seeds.nbytes, owner, "workspace", host=seeds),
+                 "work": pool.alloc(4 * R * self.vocab, owner, "workspace"),
+                 "ids": pool.alloc(4 * R, owner, "workspace")}
+        kernel = cl.Kernel(self.sampler.program, "sample")
+        kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
+                        extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
+        cl.enqueue_nd_range_kernel(device.queue, kernel, (R,), None)
+        transfer = device.download_async(extra["ids"], np.int32, R)
+
+        def release(values, error):
+            for buf in extra.values():
+                buf.release()
+            done(values, error)
+
+        self.loop.run_in_executor(lambda: {"ids": transfer.wait()}, release)
+
+    def _stepped(self, work, values, error):
+        if error is not None:
+            for row, _ in work:
+                if self.rows[row] is not None:
+                    self._retire(row, "error")
+            self.busy = False
+            self._kick()
+            return
+        ids = values["ids"]
+        for i, (row, fed) in enumerate(work):
+            seq = self.rows[row]
+            self.tables[row].length += len(fed)
+            if seq is None:
+                continue
+            if seq.fed < len(seq.prompt):
+                seq.fed += len(fed)
+                if seq.fed < len(seq.prompt):
+                    continue                      # more prompt to prefill: this logit is not a prediction
+            if seq.cancelled:
+                continue
+            token = int(ids[i])
+            seq.generated.append(token)
+            seq.on_token(token)
+            if token in seq.stop_ids:
+                self._retire(row, "stop")
+            elif len(seq.generated) >= seq.max_tokens:
+                self._retire(row, "length")
+            else:
+                seq.pending = token
+        self.busy = False
+        self._kick()

@@ -1,0 +1,135 @@
+"""Continuous batching on the llama package: cohorts, chunked prefill, device sampling, stops."""
+
+import time
+
+import numpy as np
+import pytest
+
+from loom import runtime
+from loom.scheduler import Sequence, TextEngine
+from loom.server import Loop
+from test_llama import SOURCE, V, greedy_reference, make_checkpoint
+
+PAGE, PAGES, CTX = 16, 48, 512
+
+
+@pytest.fixture(scope="module")
+def model(device, tmp_path_factory):
+    dev, compiler = device
+    path = tmp_path_factory.mktemp("s") / "m.gguf"
+    weights = make_checkpoint(path, "qwen2", "F32", seed=21)
+    prepared = runtime.prepare("sched", [SOURCE], str(path),
+                               {"pages": PAGES, "page_size": PAGE, "context_length": CTX}, dev, compiler)
+    yield prepared, weights
+    prepared.release()
+
+
+@pytest.fixture(scope="module")
+def device():
+    from test_llama import Compiler, Device, run_now
+    dev = Device("cpu")
+    return dev, Compiler(dev, run_now)
+
+
+def tick(loop):
+    """The server's loop always has its sweep timer; a bare loop needs one to never block forever."""
+    loop.call_later(0.01, lambda: None)
+    loop.run_once()
+
+
+def run_all(engine, loop, seqs, timeout=120):
+    deadline = time.monotonic() + timeout
+    while any(s.finish_reason is None and not s.cancelled for s in seqs) and time.monotonic() < deadline:
+        tick(loop)
+    assert time.monotonic() < deadline, "generation did not finish"
+
+
+def test_greedy_cohorts_match_numpy_token_for_token(model):
+    prepared, weights = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=3, pages=PAGES, page_size=PAGE, chunk=16, token_budget=64)
+    prompts = [[5, 17, 33, 2, 9, 60, 61], [90, 1, 1, 44], list(np.random.default_rng(4).integers(0, V, 70))]
+    seqs = [Sequence(p, max_tokens=20) for p in prompts]
+    for s in seqs:
+        engine.submit(s)
+    run_all(engine, loop, seqs)
+    for s, p in zip(seqs, prompts):
+        want, gaps = greedy_reference(weights, "qwen2", p, 20)
+        mismatch = next((i for i, (a, b) in enumerate(zip(s.generated, want)) if a != b), None)
+        assert mismatch is None or gaps[mismatch] < 1e-4, (s.generated, want)
+        assert s.finish_reason == "length"
+    assert engine.pool.available == PAGES   # every page came back
+    loop.close()
+
+
+def test_long_prompt_never_stalls_decoding_rows(model):
+    prepared, _ = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=16, token_budget=64)
+    short = Sequence([1, 2, 3], max_tokens=12)
+    cohorts = []
+    original = engine._run
+
+    def spy(work):
+        cohorts.append([(row, len(ids)) for row, ids in work])
+        original(work)
+
+    engine._run = spy
+    engine.submit(short)
+    tick(loop)
+    long = Sequence(list(range(1, 90)), max_tokens=2)
+    engine.submit(long)
+    run_all(engine, loop, [short, long])
+    # The long prompt prefills a chunk at a time, and every one of those steps also
+    # advances the short row by its one decode token: decoding never stalls.
+    prefills = [dict(c) for c in cohorts if dict(c).get(1, 0) > 1]
+    assert len(prefills) == -(-89 // 16) and all(c[1] <= 16 for c in prefills)
+    assert all(c.get(0) == 1 for c in prefills[:5])
+    assert len(short.generated) == 12 and len(long.generated) == 2
+    loop.close()
+
+
+def test_seeded_sampling_is_the_same_batched_or_alone(model):
+    prepared, _ = model
+    results = []
+    for batch in (False, True):
+        loop = Loop(2)
+        engine = TextEngine(prepared, loop, rows=3, pages=PAGES, page_size=PAGE)
+        seq = Sequence([7, 8, 9], max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=12345)
+        others = [Sequence([3, 3, i], max_tokens=10, temperature=1.0, seed=i) for i in range(2)] if batch else []
+        for s in [seq] + others:
+            engine.submit(s)
+        run_all(engine, loop, [seq] + others)
+        results.append(seq.generated)
+        loop.close()
+    assert results[0] == results[1]
+
+
+def test_stop_tokens_cancellation_and_backpressure(model):
+    prepared, weights = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE)
+    want, _ = greedy_reference(weights, "qwen2", [5, 6, 7], 6)
+    stopper = Sequence([5, 6, 7], max_tokens=20, stop_ids={want[3]})
+    gate = {"open": False}
+    slow = Sequence([5, 6, 7], max_tokens=6, ready=lambda: gate["open"])
+    gone = Sequence([9, 9, 9], max_tokens=50)
+    for s in (stopper, slow):
+        engine.submit(s)
+    run_all(engine, loop, [stopper])
+    assert stopper.finish_reason == "stop" and stopper.generated == want[:want.index(want[3]) + 1]
+    assert len(slow.generated) == 1          # its reader is backed up: it sits out
+    engine.submit(gone)
+    for _ in range(500):
+        tick(loop)
+        if len(gone.generated) >= 2:
+            break
+    engine.cancel(gone)
+    gate["open"] = True
+    engine.wake()
+    run_all(engine, loop, [slow])
+    assert slow.generated == want[:6] and slow.finish_reason == "length"
+    for _ in range(20):
+        tick(loop)
+    assert engine.rows == [None, None] and engine.pool.available == PAGES
+    loop.close()
