@@ -8,8 +8,11 @@ cache folder on first start.
 """
 
 import importlib.util
+import json
 import logging
 import os
+
+import numpy as np
 
 log = logging.getLogger("loom.demo")
 
@@ -26,9 +29,72 @@ def minilm_dir():
     return path if os.path.isfile(os.path.join(path, "model.safetensors")) else None
 
 
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "loom", "demo")
+SCOUT = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def scout_dir():
+    """A tiny Qwen2-shaped model with random weights and a byte-level tokenizer,
+    generated deterministically on first start: it serves the text API's
+    shapes (framing, streaming, tools, limits), not meaningful answers."""
+    folder = os.path.join(CACHE, "scout-v1")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    from .tokenizer import _bytes_to_unicode
+    from .weights import write_safetensors
+    tmp = folder + f".tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    chars = _bytes_to_unicode()
+    vocab = {c: i for i, c in enumerate(chars)}
+    added = [{"id": 256 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, t in enumerate(SPECIALS)]
+    with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+        json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                   "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                     "use_regex": True},
+                   "post_processor": None,
+                   "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+                   "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                             "vocab": vocab, "merges": []}}, f)
+    s, v = SCOUT, 256 + len(SPECIALS)
+    d, dh = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
+    rng = np.random.default_rng(2026)
+
+    def m(rows, cols):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": m(v, d), "model.norm.weight": np.ones(d, np.float32)}
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": np.ones(d, np.float32),
+            p + "self_attn.q_proj.weight": m(s["num_attention_heads"] * dh, d),
+            p + "self_attn.k_proj.weight": m(s["num_key_value_heads"] * dh, d),
+            p + "self_attn.v_proj.weight": m(s["num_key_value_heads"] * dh, d),
+            p + "self_attn.o_proj.weight": m(d, s["num_attention_heads"] * dh),
+            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+            p + "mlp.gate_proj.weight": m(s["intermediate_size"], d),
+            p + "mlp.up_proj.weight": m(s["intermediate_size"], d),
+            p + "mlp.down_proj.weight": m(d, s["intermediate_size"])})
+    write_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(dict(s, model_type="qwen2", vocab_size=v, tie_word_embeddings=True), f)
+    try:
+        os.rename(tmp, folder)   # atomic: a concurrent first start finds a whole folder or none
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def catalog():
     """Model documents for the default deployments that can run in this build."""
-    docs = []
+    docs = [{"model": "scout", "kind": "text", "sources": ["llama.loom"], "checkpoint": scout_dir(),
+             "base_directory": os.path.join(MODELS, "llama"), "rows": 4, "context_length": 2048,
+             "max_output_tokens": 256, "options": {"chat": "chatml"}}]
     minilm = minilm_dir()
     if minilm is not None:
         docs.append({"model": "vectors", "kind": "embedding", "sources": ["bert.loom"], "checkpoint": minilm,

@@ -240,6 +240,11 @@ class Registry:
             return
         sources, checkpoint = reg.paths()
         options = dict(reg.doc.get("options") or {})
+        if reg.kind in ("text", "sequence"):
+            # The KV pool: every row can hold a full context.
+            options.setdefault("context_length", reg.doc["context_length"])
+            page = options.setdefault("page_size", 16)
+            options.setdefault("pages", reg.doc["rows"] * -(-options["context_length"] // page))
         loop = self.server.loop
 
         def progress(done, total):
@@ -496,6 +501,7 @@ class Job:
         self.deferred.on_cancel = self.cancelled
         self.gone = False        # the client left, or the response was already settled
         self.acquired = False
+        self.finished = False
         request.state = "queued"
 
     def start(self, error):
@@ -522,6 +528,9 @@ class Job:
             self.deferred.resolve(error.response())
 
     def finish(self, response=None, error=None):
+        if self.finished:
+            return    # several endings can race (a failure, then the retiring step): one counts
+        self.finished = True
         self.server.registry.leave(self.reg, self, self.acquired)
         self.acquired = False
         if isinstance(error, HTTPError):

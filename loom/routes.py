@@ -152,6 +152,7 @@ ROUTES = [
     ("GET", "/v1/requests", requests),
     ("POST", "/v1/embeddings", embeddings.create),
     ("POST", "/v1/systemone", decisions.create),
+    ("POST", "/v1/chat/completions", text.chat_completions),
     ("POST", "/tokenize", text.tokenize),
     ("POST", "/detokenize", text.detokenize),
 ] + registry.ROUTES

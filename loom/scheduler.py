@@ -69,9 +69,15 @@ class TextEngine:
         self._kick()
 
     def cancel(self, seq):
+        """Stop a sequence: at once if it waits for a row, else at the next step
+        boundary, once the step using its pages has retired."""
+        if seq.cancelled or seq.finish_reason is not None:
+            return
         seq.cancelled = True
         if seq in self.waiting:
             self.waiting.remove(seq)
+            seq.finish_reason = "cancelled"
+            seq.on_done("cancelled")
         self._kick()
 
     def wake(self):
@@ -90,8 +96,7 @@ class TextEngine:
         self.tables[row].clear()
         seq.finish_reason = reason
         seq.row = None
-        if reason != "cancelled":
-            seq.on_done(reason)
+        seq.on_done(reason)   # "cancelled" too: its owner releases what it holds
 
     def _admit(self):
         for row in range(len(self.rows)):

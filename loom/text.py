@@ -83,3 +83,236 @@ def detokenize(server, request):
         return text
 
     return _run(server, reg, request, work, lambda text: Response.json({"content": text}))
+
+
+# -- POST /v1/chat/completions -------------------------------------------------------
+
+import time  # noqa: E402
+
+
+from . import registry  # noqa: E402
+from .chat import ChatPolicy, ToolCallError  # noqa: E402
+from .http import Stream, sse_event  # noqa: E402
+from .jsonin import Enum, Num, OneOf  # noqa: E402
+from .scheduler import Sequence, TextEngine  # noqa: E402
+
+TEXT_PART = Obj({"type": Enum(["text"]), "text": Str()})
+CONTENT = OneOf(Str(), Arr(TEXT_PART, min_len=1))
+TOOL_CALL = Obj({"id": Str(), "type": Enum(["function"]),
+                 "function": Obj({"name": Str(min_len=1), "arguments": Str()})})
+MESSAGE = Obj({"role": Enum(["system", "user", "assistant", "tool"]), "content": OneOf(CONTENT, optional=True,
+                                                                                       nullable=True),
+               "name": Str(optional=True), "tool_calls": Arr(TOOL_CALL, optional=True),
+               "tool_call_id": Str(optional=True)})
+TOOL = Obj({"type": Enum(["function"]), "function": Obj({"name": Str(min_len=1, max_len=64),
+                                                          "description": Str(optional=True),
+                                                          "parameters": Obj(None, optional=True),
+                                                          "strict": Bool(optional=True)})})
+CHAT = Obj({
+    "model": Str(min_len=1),
+    "messages": Arr(MESSAGE, min_len=1),
+    "stream": Bool(optional=True, nullable=True),
+    "stream_options": Obj({"include_usage": Bool(optional=True)}, optional=True, nullable=True),
+    "max_tokens": Int(lo=1, hi=16384, optional=True, nullable=True),
+    "max_completion_tokens": Int(lo=1, hi=16384, optional=True, nullable=True),
+    "temperature": Num(optional=True, nullable=True),
+    "top_p": Num(optional=True, nullable=True),
+    "top_k": Int(lo=0, hi=1 << 20, optional=True, nullable=True),
+    "seed": Int(lo=0, hi=2**64 - 1, optional=True, nullable=True),
+    "enable_thinking": Bool(optional=True, nullable=True),
+    "model_options": Obj(None, optional=True),
+    "tools": Arr(TOOL, max_len=4096, optional=True),
+    "tool_choice": OneOf(Enum(["auto", "none", "required"]), Obj(None), optional=True),
+    "store": Bool(optional=True),
+})
+
+
+def _policy(reg):
+    """The deployment's chat policy, built once per prepared deployment."""
+    prepared = reg.prepared
+    if getattr(prepared, "chat", None) is None:
+        template = prepared.binding.metadata.get("tokenizer.chat_template")
+        try:
+            prepared.chat = ChatPolicy(prepared.policy, template, (reg.doc.get("options") or {}).get("chat"))
+        except ValueError as e:
+            raise HTTPError(501, f"model {reg.name!r} has no chat framing: {e}", "not_implemented", "model") from None
+    return prepared.chat
+
+
+def _sampling(policy, body):
+    """Validated sampling parameters: the package's defaults and accepted ranges."""
+    values = []
+    for name, fallback in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
+        rule = policy.sampling.get(name, {})
+        value = body.get(name)
+        if value is None:
+            value = rule.get("default", fallback)
+        elif not rule.get("min", value) <= value <= rule.get("max", value):
+            raise HTTPError(400, f"{name} must be from {rule['min']} to {rule['max']} for this model",
+                            "out_of_range", name)
+        values.append(value)
+    return values
+
+
+def chat_completions(server, request):
+    body = request.json(CHAT)
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise HTTPError(400, "supply max_tokens or max_completion_tokens, not both", "invalid_value",
+                        "max_completion_tokens")
+    stream = bool(body.get("stream"))
+    if body.get("stream_options") and not stream:
+        raise HTTPError(400, "stream_options requires stream: true", "invalid_value", "stream_options")
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        raise HTTPError(400, "only tool_choice auto and none are supported", "unsupported_value", "tool_choice")
+    if body.get("store"):
+        raise HTTPError(400, "store is not supported", "unsupported_value", "store")
+    for i, m in enumerate(body["messages"]):
+        if m["role"] != "assistant" and m.get("content") is None:
+            raise HTTPError(400, f"messages[{i}] needs content", "missing_field", f"messages[{i}].content")
+        if m.get("tool_calls") and m["role"] != "assistant":
+            raise HTTPError(400, "only assistant messages carry tool_calls", "invalid_value",
+                            f"messages[{i}].tool_calls")
+    reg = server.registry.admit(body["model"], "text")
+    request.model = reg.name
+    policy = _policy(reg)
+    temperature, top_p, top_k = _sampling(policy, body)
+    prompt = policy.render(body["messages"], body.get("tools"), body.get("enable_thinking"))
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or reg.doc["max_output_tokens"]
+    job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
+                  stream, bool((body.get("stream_options") or {}).get("include_usage")),
+                  body.get("enable_thinking"), choice != "none")
+    server.registry.enter(reg, job)
+    return job.stream if stream else job.deferred
+
+
+def engine(server, reg):
+    if getattr(reg, "engine", None) is None or reg.engine.prepared is not reg.prepared:
+        options = reg.prepared.binding.options
+        reg.engine = TextEngine(reg.prepared, server.loop, rows=reg.doc["rows"], pages=options["pages"],
+                                page_size=options["page_size"])
+    return reg.engine
+
+
+class ChatJob(registry.Job):
+    what = "chat completion"
+
+    def __init__(self, server, reg, request, policy, prompt, limit, sampling, stream, include_usage, thinking,
+                 tools_allowed):
+        super().__init__(server, reg, request)
+        self.policy, self.prompt_text, self.limit, self.sampling = policy, prompt, limit, sampling
+        self.include_usage = include_usage
+        self.parser = policy.parser(thinking, tools_allowed)
+        self.id = f"chatcmpl-{request.id}"
+        self.created = int(time.time())
+        self.seq = None
+        self.content, self.reasoning = [], []
+        self.stream = None
+        if stream:
+            self.stream = Stream()
+            self.stream.on_close = lambda reason: self.cancelled()
+            self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
+
+    def run(self):
+        tok = self.reg.prepared.tokenizer
+        self.server.loop.run_in_executor(lambda: tok.encode(self.prompt_text, add_special=False), self.tokenized)
+
+    def tokenized(self, ids, error):
+        if error is not None or self.gone:
+            self.finish(error=error)
+            return
+        context = self.reg.doc["context_length"]
+        if len(ids) + self.limit > context:
+            self.finish(error=HTTPError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({self.limit}) "
+                                             f"exceeds the context length {context}", "context_length_exceeded",
+                                        "messages"))
+            return
+        tok = self.reg.prepared.tokenizer
+        stop_ids = {tok.special[s] for s in self.policy.stop if s in tok.special}
+        if tok.eos_id is not None:
+            stop_ids.add(tok.eos_id)
+        self.prompt_tokens = len(ids)
+        self.detok = tok.stream()
+        self.stop_ids = stop_ids
+        temperature, top_p, top_k, seed = self.sampling
+        self.seq = Sequence(ids, self.limit, temperature, top_p, top_k, seed, stop_ids, self.on_token, self.on_done,
+                            ready=(lambda: self.stream.ready) if self.stream else None)
+        if self.stream:
+            self.send({"role": "assistant", "content": ""})
+        engine(self.server, self.reg).submit(self.seq)
+
+    def send(self, delta, finish_reason=None):
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.reg.name,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+        self.stream.send(sse_event(chunk))
+
+    def on_token(self, token):
+        if token in self.stop_ids:
+            return   # the terminal token counts in usage but is not text
+        try:
+            deltas = self.parser.feed(self.detok.push(token))
+        except ToolCallError as e:
+            self.fail_generation(e)
+            return
+        self.publish(deltas)
+
+    def publish(self, deltas):
+        for kind, text in deltas:
+            (self.reasoning if kind == "reasoning" else self.content).append(text)
+            if self.stream:
+                self.send({"reasoning_content" if kind == "reasoning" else "content": text})
+
+    def fail_generation(self, error):
+        engine(self.server, self.reg).cancel(self.seq)
+        self.finish(error=HTTPError(500, f"the model generated an invalid tool call: {error}", "invalid_tool_call"))
+
+    def on_done(self, reason):
+        if self.gone:
+            self.finish()
+            return
+        try:
+            self.publish(self.parser.feed(self.detok.flush()) + self.parser.close())
+        except ToolCallError as e:
+            self.fail_generation(e)
+            return
+        calls = [{"id": f"call_{self.request.id}_{i}", "type": "function", "function": call}
+                 for i, call in enumerate(self.parser.calls)]
+        finish = "tool_calls" if calls else reason
+        completion = len(self.seq.generated)
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion}
+        if self.stream:
+            if calls:
+                self.send({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
+            self.send({}, finish)
+            if self.include_usage:
+                self.stream.send(sse_event({"id": self.id, "object": "chat.completion.chunk",
+                                            "created": self.created, "model": self.reg.name, "choices": [],
+                                            "usage": usage}))
+            self.stream.send(b"data: [DONE]\n\n")
+            self.stream.finish()
+            self.finish()
+            return
+        message = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        self.finish(Response.json({"id": self.id, "object": "chat.completion", "created": self.created,
+                                   "model": self.reg.name, "choices": [{"index": 0, "message": message,
+                                                                        "finish_reason": finish}],
+                                   "usage": usage}))
+
+    def cancelled(self):
+        super().cancelled()
+        if self.seq is not None:
+            engine(self.server, self.reg).cancel(self.seq)
+
+    def finish(self, response=None, error=None):
+        if self.stream is not None and error is not None and not self.gone:
+            err = error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed")
+            self.stream.send(sse_event({"error": {"message": err.message, "type": "server_error", "param": err.param,
+                                                  "code": err.code}}))
+            self.stream.finish()
+            error = None
+        super().finish(response, error)

@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions on the default catalog's `scout` (tiny random-weight Qwen2 shape)."""
+
+import json
+import threading
+
+import openai
+import pytest
+
+from conftest import _start_live, read_response
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = _start_live(tmp_path_factory.mktemp("chat"), ("--device", "cpu"), default_catalog=True)
+    yield srv
+    srv.stop()
+
+
+def chat(server, body):
+    status, _, data = server.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return status, json.loads(data)
+
+
+def sse(server, body):
+    """The raw SSE events of a streamed completion, parsed, ending at [DONE]."""
+    sock = server.raw(timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    status, headers, raw = read_response(sock)
+    sock.close()
+    assert status == 200 and headers["content-type"] == "text/event-stream"
+    events = [block[len("data: "):] for block in raw.decode().split("\n\n") if block.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+BASE = {"model": "scout", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "What is 2+2?"}], "temperature": 0}
+
+
+def test_json_completion_shape_and_usage(server):
+    status, body = chat(server, dict(BASE, max_tokens=12))
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["model"] == "scout" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 12 and usage["total_tokens"] == usage["prompt_tokens"] + 12
+
+
+def test_stream_matches_json_and_reports_usage(server):
+    status, whole = chat(server, dict(BASE, max_completion_tokens=10))
+    events = sse(server, dict(BASE, max_completion_tokens=10, stream=True, stream_options={"include_usage": True}))
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == whole["choices"][0]["message"]["content"]        # temperature 0: the same tokens
+    finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finals == ["length"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+
+def test_openai_sdk_plain_and_streaming(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="scout", messages=BASE["messages"], max_tokens=6, temperature=0)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model="scout", messages=BASE["messages"], max_tokens=6,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+
+
+def test_seeded_sampling_is_reproducible_and_concurrent_clients_match_alone(server):
+    body = dict(BASE, max_tokens=8, temperature=0.9, top_p=0.8, top_k=20, seed=42)
+    first, second = chat(server, body)[1], chat(server, body)[1]
+    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    alone = chat(server, dict(BASE, max_tokens=8))[1]["choices"][0]["message"]["content"]
+    results = [None] * 4
+
+    def client(i):
+        results[i] = chat(server, dict(BASE, max_tokens=8))[1]["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [alone] * 4
+
+
+@pytest.mark.parametrize("change,status,code", [
+    ({"max_tokens": 4, "max_completion_tokens": 4}, 400, "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, 400, "invalid_value"),
+    ({"tool_choice": "required"}, 400, "unsupported_value"),
+    ({"temperature": 3.5}, 400, "out_of_range"),
+    ({"max_tokens": 0}, 400, "out_of_range"),
+    ({"max_tokens": 16384}, 400, "context_length_exceeded"),
+    ({"messages": []}, 400, "invalid_value"),
+    ({"logprobs": True}, 400, "unknown_field"),
+    ({"store": True}, 400, "unsupported_value"),
+    ({"model": "vectors"}, 404, "model_not_found"),
+])
+def test_rejections(server, change, status, code):
+    got_status, body = chat(server, dict(BASE, **change))
+    assert (got_status, body["error"]["code"]) == (status, code), body
+
+
+def test_disconnect_mid_stream_frees_the_row(server):
+    sock = server.raw(timeout=30)
+    data = json.dumps(dict(BASE, max_tokens=200, stream=True)).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    assert chat(server, dict(BASE, max_tokens=4))[0] == 200
+    regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+    scout = next(r for r in regs if r["model"] == "scout")
+    assert scout["requests"]["in_flight"] == 0
