@@ -117,6 +117,8 @@ class Registration:
         if self.kind in ("text", "sequence"):
             loom["context_length"] = self.doc["context_length"]
             loom["limits"] = {"max_output_tokens": self.doc["max_output_tokens"]}
+        if self.kind == "text":
+            loom["input_tokens"] = bool(p is not None and p.tokenizer is not None and p.policy.get("chats"))
         if p is not None and p.variants:
             loom["variants"] = {"selected": p.selected, "count": len(p.variants)}
         if self.kind == "embedding" and p is not None:

@@ -153,6 +153,7 @@ ROUTES = [
     ("POST", "/v1/embeddings", embeddings.create),
     ("POST", "/v1/systemone", decisions.create),
     ("POST", "/v1/chat/completions", text.chat_completions),
+    ("POST", "/v1/chat/completions/input_tokens", text.input_tokens),
     ("POST", "/tokenize", text.tokenize),
     ("POST", "/detokenize", text.detokenize),
 ] + registry.ROUTES

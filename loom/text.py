@@ -154,7 +154,9 @@ def _sampling(policy, body):
     return values
 
 
-def chat_completions(server, request):
+def _validated(server, request):
+    """The shared front half of /v1/chat/completions and its input_tokens count:
+    every field checked, the policy's framing applied. -> (body, reg, policy, prompt text)."""
     body = request.json(CHAT)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise HTTPError(400, "supply max_tokens or max_completion_tokens, not both", "invalid_value",
@@ -176,14 +178,57 @@ def chat_completions(server, request):
     reg = server.registry.admit(body["model"], "text")
     request.model = reg.name
     policy = _policy(reg)
-    temperature, top_p, top_k = _sampling(policy, body)
+    _sampling(policy, body)
+    allowed = set(policy.format.get("model_options", []))
+    unknown = sorted(set(body.get("model_options") or {}) - allowed)
+    if unknown:
+        raise HTTPError(400, f"model_options {', '.join(unknown)} not understood by this model's policy",
+                        "unknown_field", f"model_options.{unknown[0]}")
     prompt = policy.render(body["messages"], body.get("tools"), body.get("enable_thinking"))
+    return body, reg, policy, prompt
+
+
+def chat_completions(server, request):
+    body, reg, policy, prompt = _validated(server, request)
+    stream = bool(body.get("stream"))
+    choice = body.get("tool_choice", "auto")
+    temperature, top_p, top_k = _sampling(policy, body)
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or reg.doc["max_output_tokens"]
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
                   body.get("enable_thinking"), choice != "none")
     server.registry.enter(reg, job)
     return job.stream if stream else job.deferred
+
+
+def input_tokens(server, request):
+    """The exact prompt length a generation would start from, counted on a CPU worker:
+    no row, no KV pages, no weights; the same validation and framing."""
+    for header in ("x-loom-session", "x-loom-checkpoint"):
+        if request.header(header) is not None:
+            raise HTTPError(400, f"{header} selects retained state; counting is stateless", "unsupported_header",
+                            header)
+    body, reg, policy, prompt = _validated(server, request)
+    tok = reg.prepared.tokenizer
+    counting = getattr(reg, "counting", 0)
+    if counting >= reg.doc["pending_capacity"]:
+        raise HTTPError(503, f"model {reg.name!r} has a full counting queue", "queue_full", "model")
+    reg.counting = counting + 1
+    deferred = Deferred()
+
+    def counted(ids, error):
+        reg.counting -= 1
+        if error is not None:
+            deferred.resolve(HTTPError(500, f"tokenizer failed: {error}", "tokenizer_failed").response())
+        elif len(ids) > reg.doc["context_length"]:
+            deferred.resolve(HTTPError(400, f"the input has {len(ids)} tokens, over the context length "
+                                            f"{reg.doc['context_length']}", "context_length_exceeded",
+                                       "messages").response())
+        else:
+            deferred.resolve(Response.json({"input_tokens": len(ids)}))
+
+    server.loop.run_in_executor(lambda: tok.encode(prompt, add_special=False), counted)
+    return deferred
 
 
 def engine(server, reg):

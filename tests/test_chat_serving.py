@@ -118,3 +118,76 @@ def test_disconnect_mid_stream_frees_the_row(server):
     regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
     scout = next(r for r in regs if r["model"] == "scout")
     assert scout["requests"]["in_flight"] == 0
+
+
+def test_input_tokens_counts_exactly_what_generation_uses(server):
+    status, count = (lambda r: (r[0], json.loads(r[2])))(server.request(
+        "POST", "/v1/chat/completions/input_tokens", body=json.dumps(dict(BASE, stream=True)).encode(),
+        headers={"Content-Type": "application/json"}))
+    assert status == 200 and set(count) == {"input_tokens"}
+    generated = chat(server, dict(BASE, max_tokens=1))[1]
+    assert count["input_tokens"] == generated["usage"]["prompt_tokens"]
+    for header in ("X-Loom-Session", "X-Loom-Checkpoint"):
+        status, _, body = server.request("POST", "/v1/chat/completions/input_tokens", body=json.dumps(BASE).encode(),
+                                         headers={"Content-Type": "application/json", header: "s1"})
+        assert status == 400 and json.loads(body)["error"]["code"] == "unsupported_header"
+    status, _, body = server.request("POST", "/v1/chat/completions/input_tokens", body=json.dumps(
+        dict(BASE, max_tokens=2, max_completion_tokens=2)).encode(), headers={"Content-Type": "application/json"})
+    assert status == 400
+    models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
+    loom = models["scout"]["loom"]
+    assert loom["input_tokens"] is True and loom["tokenize"] is True
+    assert loom["context_length"] == 2048 and loom["limits"] == {"max_output_tokens": 256}
+
+
+def test_tools_are_rendered_and_tool_choice_none_is_accepted(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = json.loads(server.request("POST", "/v1/chat/completions/input_tokens", body=json.dumps(
+        dict(BASE, tools=tools)).encode(), headers={"Content-Type": "application/json"})[2])["input_tokens"]
+    without = json.loads(server.request("POST", "/v1/chat/completions/input_tokens", body=json.dumps(
+        BASE).encode(), headers={"Content-Type": "application/json"})[2])["input_tokens"]
+    assert with_tools > without                                     # the catalog is in the prompt
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="scout", messages=BASE["messages"], tools=tools, tool_choice="none",
+                                           max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    bad = [{"type": "function", "function": {"name": ""}}]
+    assert chat(server, dict(BASE, tools=bad))[0] == 400
+    assert chat(server, dict(BASE, model_options={"unknown": 1}))[1]["error"]["code"] == "unknown_field"
+
+
+def test_concurrent_streams_of_different_lengths_equal_their_solo_outputs(server):
+    prompts = [f"Question number {i}: " + "tell me more. " * i for i in range(8)]
+    bodies = [dict(BASE, messages=[{"role": "user", "content": p}], max_tokens=4 + 2 * i, stream=True)
+              for i, p in enumerate(prompts)]
+    solo = ["".join(e["choices"][0]["delta"].get("content", "") for e in sse(server, b) if e["choices"])
+            for b in bodies]
+    together = [None] * 8
+
+    def client(i):
+        together[i] = "".join(e["choices"][0]["delta"].get("content", "") for e in sse(server, bodies[i])
+                              if e["choices"])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert together == solo
+
+
+def test_a_slow_reader_does_not_slow_the_others(server):
+    import socket as socketlib
+    slow = socketlib.socket()
+    slow.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF, 4096)
+    slow.settimeout(30)
+    slow.connect((server.host, server.port))
+    data = json.dumps(dict(BASE, max_tokens=250, stream=True)).encode()
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    # The slow client reads nothing; others are served meanwhile.
+    for _ in range(3):
+        assert chat(server, dict(BASE, max_tokens=8))[0] == 200
+    status, _, body = read_response(slow)     # and it still gets its whole stream when it reads
+    assert status == 200 and body.rstrip().endswith(b"data: [DONE]")
+    slow.close()
