@@ -403,14 +403,12 @@ def _upload_params(prepared, checkpoint, progress):
 
 
 def _tokenizer(checkpoint_path, checkpoint):
-    """The checkpoint's tokenizer: tokenizer.json beside (or in) a safetensors
-    checkpoint, or the tokenizer.ggml.* metadata of a GGUF file; None if it has none."""
+    """The checkpoint's tokenizer: the tokenizer.ggml.* metadata of a GGUF file, else
+    a tokenizer.json beside (or in) the checkpoint; None if there is neither."""
     from . import tokenizer
     try:
-        if checkpoint.format == "gguf":
-            if "tokenizer.ggml.model" in checkpoint.metadata:
-                return tokenizer.from_gguf_metadata(checkpoint.metadata)
-            return None
+        if checkpoint.format == "gguf" and "tokenizer.ggml.model" in checkpoint.metadata:
+            return tokenizer.from_gguf_metadata(checkpoint.metadata)
         folder = checkpoint_path if os.path.isdir(checkpoint_path) else os.path.dirname(checkpoint_path)
         if os.path.isfile(os.path.join(folder, "tokenizer.json")):
             return tokenizer.load(os.path.join(folder, "tokenizer.json"))

@@ -1,0 +1,155 @@
+"""Text serving benchmark: prints figures, asserts nothing.
+
+Serves the llama bench model (bench/llama.py's random-weight GGUF shaped like
+Qwen2.5-0.5B, with a byte-level tokenizer.json of the same vocabulary beside
+it) from a real `python -m loom` and measures over HTTP with streaming: time to
+first token for a 128-token prompt, decode tokens/s for one client, and
+aggregate tokens/s for 1, 4 and 8 concurrent clients. The package's own decode
+speed (bench/llama.py's direct loop) is measured in the same run: the
+difference is the serving overhead.
+
+    python bench/text.py [--dtype Q8_0] [--tokens 64]
+"""
+
+import os
+import sys
+
+# bench/ holds an http.py: keep it off the path so `http` is the stdlib's.
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+
+import argparse  # noqa: E402
+import http.client  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("package_bench", os.path.join(HERE, "llama.py"))
+package_bench = importlib.util.module_from_spec(_spec)  # bench/llama.py: the model and its direct loop
+_spec.loader.exec_module(package_bench)
+
+
+def tokenizer_beside(gguf_path, vocab):
+    """A byte-level tokenizer.json covering the model's whole vocabulary."""
+    from loom.tokenizer import _bytes_to_unicode
+    path = os.path.join(os.path.dirname(gguf_path), "tokenizer.json")
+    if os.path.exists(path):
+        return path
+    chars = _bytes_to_unicode()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials += [f"<|extra_{i}|>" for i in range(vocab - 256 - len(specials))]
+    added = [{"id": 256 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, t in enumerate(specials)]
+    with open(path, "w") as f:
+        json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                   "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                     "use_regex": True},
+                   "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True,
+                                                        "trim_offsets": True, "use_regex": True},
+                   "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                             "vocab": {c: i for i, c in enumerate(chars)}, "merges": []}}, f)
+    return path
+
+
+def stream(port, prompt, max_tokens):
+    """(seconds to the first token, seconds for the rest, tokens generated)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = None
+    tokens = 0
+    for line in resp:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        elif first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    conn.close()
+    first = first or end
+    return first - start, end - first, tokens
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="Q8_0")
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    gguf = package_bench.checkpoint(args.dtype)
+    tokenizer_beside(gguf, package_bench.SHAPE["V"])
+    folder = os.path.dirname(gguf)
+    catalog = os.path.join(folder, "text-catalog.json")
+    with open(catalog, "w") as f:
+        json.dump([{"model": "bench", "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
+                    "checkpoint": gguf, "base_directory": folder, "rows": 8, "context_length": 1024,
+                    "max_output_tokens": 512, "options": {"chat": "chatml"}}], f)
+    proc = subprocess.Popen([sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--models", catalog],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    port = None
+    for line in proc.stderr:
+        if "listening on tcp:" in line:
+            port = int(line.rsplit(":", 1)[1])
+            break
+    try:
+        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/readyz")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        prompt = "The quick brown fox jumps over the lazy dog. " * 3  # about 128 tokens with the framing
+        stream(port, prompt, 4)                                        # warm: compile every shape
+        stream(port, "x", 4)
+        ttft, rest, tokens = stream(port, prompt[:-7], args.tokens)
+        print(f"model: {args.dtype} 0.5B shape; prompt ~128 tokens; {args.tokens} tokens per request\n")
+        print(f"time to first token       {ttft * 1000:8.1f} ms")
+        print(f"decode, one client        {(tokens - 1) / rest:8.1f} tok/s")
+        for clients in (1, 4, 8):
+            results = []
+            threads = [threading.Thread(target=lambda: results.append(stream(port, prompt, args.tokens)))
+                       for _ in range(clients)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - start
+            print(f"aggregate, {clients} client{'s' if clients > 1 else ' '}      "
+                  f"{sum(r[2] for r in results) / wall:8.1f} tok/s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    # The package alone, the same weights, no HTTP or scheduler: bench/llama.py's loop.
+    from loom import runtime
+    from loom.compiler import Compiler, run_now
+    from loom.device import Device
+    device = Device()
+    prepared = runtime.prepare("direct", [package_bench.SOURCE], gguf, {"pages": 64, "page_size": 16,
+                                                                       "context_length": 1024},
+                               device, Compiler(device, run_now))
+    row = package_bench.Row(prepared)
+    row.step([1] * 8)
+    token = 1
+    start = time.perf_counter()
+    for _ in range(args.tokens):
+        token = int(row.step([token]).argmax())
+    print(f"package decode, direct    {args.tokens / (time.perf_counter() - start):8.1f} tok/s  "
+          f"(bench/llama.py's loop: the serving overhead is the gap)")
+    prepared.release()
+
+
+if __name__ == "__main__":
+    main()
