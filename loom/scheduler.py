@@ -16,11 +16,14 @@ the pool once the step that used them has retired.
 """
 
 import collections
+import logging
 
 import numpy as np
 
 from . import runtime
 from .kvcache import OutOfPages, PagePool, RowPages
+
+log = logging.getLogger("loom.scheduler")
 
 
 class Sequence:
@@ -41,6 +44,7 @@ class Sequence:
         self.generated = []
         self.pending = None       # the sampled token not yet fed back
         self.finish_reason = None
+        self.error = None
         self.cancelled = False
 
 
@@ -183,8 +187,10 @@ class TextEngine:
 
     def _stepped(self, work, values, error):
         if error is not None:
+            log.error("step failed: %s", error, extra={"event": "step_failed", "model": self.prepared.name})
             for row, _ in work:
                 if self.rows[row] is not None:
+                    self.rows[row].error = error
                     self._retire(row, "error")
             self.busy = False
             self._kick()

@@ -315,6 +315,9 @@ class ChatJob(registry.Job):
         if self.gone:
             self.finish()
             return
+        if reason == "error":
+            self.finish(error=HTTPError(500, f"generation failed: {self.seq.error}", "execution_failed"))
+            return
         try:
             self.publish(self.parser.feed(self.detok.flush()) + self.parser.close())
         except ToolCallError as e:
