@@ -322,8 +322,8 @@ class Parser:
             self.expect(")")
         self.declare(module, "states", State(name, dtype, page, self.shape()), tok)
 
-    def kernel(self, module, tok):
-        name = self.name()
+    def arguments(self, tensors):
+        """'(' name ':' type, ... ')' -> [(name, type, bound dimension names)]."""
         self.expect("(")
         args = []
         while not self.at(")"):
@@ -334,16 +334,22 @@ class Parser:
             type_tok = self.peek()
             arg_type = self.name("an argument type")
             binds = []
-            if arg_type == "tensor":
+            if arg_type == "tensor" and tensors:
                 self.expect("[")
                 binds.append(self.name("a dimension name"))
                 while self.accept(","):
                     binds.append(self.name("a dimension name"))
                 self.expect("]")
             elif arg_type not in ARG_TYPES:
-                raise self.error(f"argument type must be buf, int, float or tensor[...], not {arg_type!r}", type_tok)
-            args.append(KernelArg(arg_name, arg_type, binds))
+                kinds = "buf, int, float or tensor[...]" if tensors else "buf, int or float"
+                raise self.error(f"argument type must be {kinds}, not {arg_type!r}", type_tok)
+            args.append((arg_name, arg_type, binds))
         self.expect(")")
+        return args
+
+    def kernel(self, module, tok):
+        name = self.name()
+        args = [KernelArg(n, t, b) for n, t, b in self.arguments(tensors=True)]
         library = source = None
         if self.accept("from"):
             library = self.string("a library file name")
@@ -373,19 +379,7 @@ class Parser:
 
     def command(self, module, tok):
         name = self.name()
-        self.expect("(")
-        args = []
-        while not self.at(")"):
-            if args:
-                self.expect(",")
-            arg_name = self.name("an argument name")
-            self.expect(":")
-            type_tok = self.peek()
-            arg_type = self.name("an argument type")
-            if arg_type not in ARG_TYPES:
-                raise self.error(f"command arguments are buf, int or float, not {arg_type!r}", type_tok)
-            args.append((arg_name, arg_type))
-        self.expect(")")
+        args = [(n, t) for n, t, _ in self.arguments(tensors=False)]
         body = []
         self.block(body)
         self.declare(module, "commands", Command(name, args, body), tok)

@@ -8,7 +8,7 @@ import pytest
 from loom import runtime
 from loom.scheduler import Sequence, TextEngine
 from loom.server import Loop
-from test_llama import SOURCE, V, greedy_reference, make_checkpoint
+from test_llama import SOURCE, V, device, greedy_reference, make_checkpoint  # noqa: F401  (device: a fixture)
 
 PAGE, PAGES, CTX = 16, 48, 512
 
@@ -22,13 +22,6 @@ def model(device, tmp_path_factory):
                                {"pages": PAGES, "page_size": PAGE, "context_length": CTX}, dev, compiler)
     yield prepared, weights
     prepared.release()
-
-
-@pytest.fixture(scope="module")
-def device():
-    from test_llama import Compiler, Device, run_now
-    dev = Device("cpu")
-    return dev, Compiler(dev, run_now)
 
 
 def tick(loop):
