@@ -14,7 +14,7 @@ PAGE, PAGES, CTX = 16, 48, 512
 
 
 @pytest.fixture(scope="module")
-def model(device, tmp_path_factory):
+def model(device, tmp_path_factory):  # noqa: F811  (the imported fixture)
     dev, compiler = device
     path = tmp_path_factory.mktemp("s") / "m.gguf"
     weights = make_checkpoint(path, "qwen2", "F32", seed=21)
