@@ -257,29 +257,74 @@ class Registry:
                                    loaded=reg.loaded)
 
         def finished(prepared, error):
-            self.server.loop.call_soon(self._prepared, reg)
             if error is not None:
+                self.server.loop.call_soon(self._prepared, reg)
                 code = getattr(error, "code", "internal")
                 self._failed(reg, code, getattr(error, "message", None) or f"{type(error).__name__}: {error}")
                 if reg.removing:
                     self._remove(reg)
                 return
             if reg.removing:  # unregistered while preparing
+                self.server.loop.call_soon(self._prepared, reg)
                 prepared.release()
                 self._remove(reg)
                 return
-            reg.prepared = prepared
-            reg.phase = "ready"
-            if reg.doc["variant_capacity"] > 0:
-                # The prepared execution is the first choice; staged variants are checked against it.
-                first = runtime.Variant(runtime.next_variant_id(), None, prepared.binding, prepared.sources)
-                first.phase, first.users = "ready", 1
-                prepared.variants[first.id] = first
-                prepared.selected = first.id
-            log.info("prepared %s: %d parameter bytes", reg.name, prepared.param_bytes(),
-                     extra={"event": "prepared", "model": reg.name, "param_bytes": prepared.param_bytes()})
+            self._probe(reg, prepared)
 
         loop.run_in_executor(work, finished)
+
+    def _probe(self, reg, prepared):
+        """Compile the kind's stage commands at a small geometry before declaring the
+        model ready: a package whose kernels do not build fails its registration
+        (phase failed, code compile) instead of failing its first requests."""
+        layouts = []
+        try:
+            for command, geometry in PROBES.get(reg.kind, []):
+                layouts.append(prepared.binding.plan(command, **geometry))
+        except runtime.LoomError as e:
+            prepared.release()
+            self._failed(reg, "plan", str(e))
+            self.server.loop.call_soon(self._prepared, reg)
+            return
+        remaining = [len(layouts)]
+
+        def compiled(built):
+            failed = next((b for b in built.values() if not b.ok), None)
+            if remaining[0] <= 0:
+                return
+            if failed is not None:
+                remaining[0] = 0
+                prepared.release()
+                self._failed(reg, "compile", f"{failed.name}: {failed.message}\n{failed.log}")
+                self.server.loop.call_soon(self._prepared, reg)
+                if reg.removing:
+                    self._remove(reg)
+                return
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self._ready(reg, prepared)
+
+        if not layouts:
+            self._ready(reg, prepared)
+        for layout in layouts:
+            prepared.compile_layout(layout, prepared.binding, prepared.sources, compiled)
+
+    def _ready(self, reg, prepared):
+        self.server.loop.call_soon(self._prepared, reg)   # the next preparation may start
+        if reg.removing:
+            prepared.release()
+            self._remove(reg)
+            return
+        reg.prepared = prepared
+        reg.phase = "ready"
+        if reg.doc["variant_capacity"] > 0:
+            # The prepared execution is the first choice; staged variants are checked against it.
+            first = runtime.Variant(runtime.next_variant_id(), None, prepared.binding, prepared.sources)
+            first.phase, first.users = "ready", 1
+            prepared.variants[first.id] = first
+            prepared.selected = first.id
+        log.info("prepared %s: %d parameter bytes", reg.name, prepared.param_bytes(),
+                 extra={"event": "prepared", "model": reg.name, "param_bytes": prepared.param_bytes()})
 
     def _failed(self, reg, code, message):
         reg.phase = "failed"

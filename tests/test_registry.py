@@ -262,3 +262,13 @@ def test_package_rejections(server, tmp_path, fields, status, code):
     out = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert int(out.stdout) == status and json.loads(out.stderr)["error"]["code"] == code
     assert status_of(server, "m") is None
+
+
+def test_a_package_whose_kernels_do_not_build_fails_at_registration(server, tmp_path):
+    broken = open(SOURCE).read().replace("float sum = 0.0f;\n    for (int t = begin", "float sum = 0.0f\n    for (int t = begin")
+    (tmp_path / "broken.loom").write_text(broken)
+    call(server, "/v1/models/register", dict(server.doc, sources=[str(tmp_path / "broken.loom")]))
+    reg = wait_phase(server, "m", "failed")
+    assert reg["error"]["code"] == "compile" and "mean_pool" in reg["error"]["message"]
+    assert "m" not in memory(server)["by_owner"]                  # its weights were released
+    assert call(server, "/v1/embeddings", {"model": "m", "input": [1]})[0] == 503
