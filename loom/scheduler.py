@@ -41,6 +41,7 @@ class Sequence:
         self.ready = ready or (lambda: True)     # False: the consumer is backed up; sit out
         self.row = None
         self.fed = 0              # prompt tokens already in the KV cache
+        self.cached = 0           # of those, reused from an idle row's retained conversation
         self.generated = []
         self.pending = None       # the sampled token not yet fed back
         self.finish_reason = None
@@ -57,6 +58,8 @@ class TextEngine:
         self.pool = PagePool(pages, page_size)
         self.rows = [None] * rows            # the Sequence in each row
         self.tables = [RowPages(self.pool, self.max_pages) for _ in range(rows)]
+        self.history = [None] * rows         # idle rows: the tokens whose KV they still hold
+        self.idle_since = [0] * rows
         self.waiting = collections.deque()
         self.chunk = chunk
         self.token_budget = token_budget
@@ -97,17 +100,59 @@ class TextEngine:
     def _retire(self, row, reason):
         seq = self.rows[row]
         self.rows[row] = None
-        self.tables[row].clear()
+        if reason in ("stop", "length"):
+            # The row stays idle with its conversation's keys and values: an untagged
+            # request that continues it exactly reuses them (automatic row reuse).
+            self.history[row] = (seq.prompt + seq.generated)[:self.tables[row].length]
+            self.idle_since[row] = self.steps
+        else:
+            self.tables[row].clear()
         seq.finish_reason = reason
         seq.row = None
         seq.on_done(reason)   # "cancelled" too: its owner releases what it holds
 
     def _admit(self):
-        for row in range(len(self.rows)):
-            if self.rows[row] is None and self.waiting:
-                seq = self.waiting.popleft()
-                seq.row = row
-                self.rows[row] = seq
+        """Give waiting sequences rows: the idle row holding the longest exact prefix of
+        the prompt (its positions are not computed again), else an empty row, else the
+        least recently used idle row."""
+        while self.waiting and None in self.rows:
+            seq = self.waiting.popleft()
+            best, best_len = None, 0
+            for row, history in enumerate(self.history):
+                if self.rows[row] is None and history:
+                    n = _common_prefix(history, seq.prompt)
+                    if n > best_len:
+                        best, best_len = row, n
+            if best is None:
+                free = [r for r in range(len(self.rows)) if self.rows[r] is None]
+                best = min(free, key=lambda r: (bool(self.history[r]), self.idle_since[r]))
+                best_len = 0
+            # At least the prompt's last token is computed again: its logits start generation.
+            reuse = min(best_len, len(seq.prompt) - 1)
+            table = self.tables[best]
+            if reuse == 0:
+                table.clear()
+            else:
+                table.length = reuse
+            self.history[best] = None
+            seq.fed = seq.cached = reuse
+            seq.row = best
+            self.rows[best] = seq
+
+    def release_idle(self):
+        """Drop every idle row's retained conversation (trim, memory pressure)."""
+        while self._reclaim():
+            pass
+
+    def _reclaim(self):
+        """Free the least recently used idle row's pages; False when there is none."""
+        idle = [r for r in range(len(self.rows)) if self.rows[r] is None and self.history[r]]
+        if not idle:
+            return False
+        row = min(idle, key=lambda r: self.idle_since[r])
+        self.tables[row].clear()
+        self.history[row] = None
+        return True
 
     def _step(self):
         for row, seq in enumerate(self.rows):
@@ -125,12 +170,18 @@ class TextEngine:
             else:
                 continue
             table = self.tables[row]
-            try:
-                table.reserve(table.length + len(ids))
-            except OutOfPages:
-                if table.length + len(ids) > self.max_pages * self.pool.page_size:
-                    self._retire(row, "length")   # the context is full
-                continue                          # the pool is full: wait for pages to free
+            while True:
+                try:
+                    table.reserve(table.length + len(ids))
+                    break
+                except OutOfPages:
+                    if table.length + len(ids) > self.max_pages * self.pool.page_size:
+                        self._retire(row, "length")   # the context is full
+                        break
+                    if not self._reclaim():           # idle conversations yield their pages first
+                        break
+            if self.rows[row] is None or table.length + len(ids) > len(table.pages) * self.pool.page_size:
+                continue                              # the pool is full: wait for pages to free
             work.append((row, ids))
             budget -= len(ids)
         if not work:
@@ -218,3 +269,12 @@ class TextEngine:
                 seq.pending = token
         self.busy = False
         self._kick()
+
+
+def _common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -328,7 +328,8 @@ class ChatJob(registry.Job):
         finish = "tool_calls" if calls else reason
         completion = len(self.seq.generated)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": self.prompt_tokens + completion}
+                 "total_tokens": self.prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": self.seq.cached}}
         if self.stream:
             if calls:
                 self.send({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})

@@ -60,7 +60,9 @@ def test_stream_matches_json_and_reports_usage(server):
     assert text == whole["choices"][0]["message"]["content"]        # temperature 0: the same tokens
     finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert finals == ["length"]
-    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert events[-1]["choices"] == [] and {k: events[-1]["usage"][k] for k in counts} == \
+        {k: whole["usage"][k] for k in counts}
 
 
 def test_openai_sdk_plain_and_streaming(server):
@@ -191,3 +193,16 @@ def test_a_slow_reader_does_not_slow_the_others(server):
     status, _, body = read_response(slow)     # and it still gets its whole stream when it reads
     assert status == 200 and body.rstrip().endswith(b"data: [DONE]")
     slow.close()
+
+
+def test_a_follow_up_turn_reuses_the_idle_row(server):
+    messages = [{"role": "user", "content": "Name a color and a shape, please."}]
+    first = chat(server, dict(BASE, messages=messages, max_tokens=8))[1]
+    assert "cached_tokens" in first["usage"]["prompt_tokens_details"]
+    follow = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And another?"}]
+    second = chat(server, dict(BASE, messages=follow, max_tokens=4))[1]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
+    events = sse(server, dict(BASE, messages=follow, max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # streamed usage reports it too

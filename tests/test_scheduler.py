@@ -51,7 +51,10 @@ def test_greedy_cohorts_match_numpy_token_for_token(model):
         mismatch = next((i for i, (a, b) in enumerate(zip(s.generated, want)) if a != b), None)
         assert mismatch is None or gaps[mismatch] < 1e-4, (s.generated, want)
         assert s.finish_reason == "length"
-    assert engine.pool.available == PAGES   # every page came back
+    held = sum(len(t.pages) for r, t in enumerate(engine.tables) if engine.history[r])
+    assert engine.pool.available + held == PAGES   # only idle conversations keep pages...
+    engine.release_idle()
+    assert engine.pool.available == PAGES          # ...and they give them back
     loop.close()
 
 
@@ -124,5 +127,31 @@ def test_stop_tokens_cancellation_and_backpressure(model):
     assert slow.generated == want[:6] and slow.finish_reason == "length"
     for _ in range(20):
         tick(loop)
+    engine.release_idle()
     assert engine.rows == [None, None] and engine.pool.available == PAGES
+    loop.close()
+
+
+def test_an_idle_row_continues_a_conversation_without_recomputing_it(model):
+    """Automatic row reuse: the next turn's prompt extends the finished one exactly."""
+    prepared, weights = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=16)
+    first = Sequence([5, 17, 33, 2, 9, 60, 61, 70, 71, 3], max_tokens=6)
+    engine.submit(first)
+    run_all(engine, loop, [first])
+    follow = first.prompt + first.generated + [40, 41, 42]
+    second = Sequence(follow, max_tokens=6)
+    engine.submit(second)
+    run_all(engine, loop, [second])
+    assert second.cached == len(first.prompt) + len(first.generated) - 1   # all but the last, never fed
+    fresh = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=16)
+    again = Sequence(follow, max_tokens=6)
+    fresh.submit(again)
+    run_all(fresh, loop, [again])
+    assert again.cached == 0 and second.generated == again.generated          # same tokens either way
+    edited = Sequence([5, 17, 99] + follow[3:], max_tokens=2)                 # an edited history replays
+    engine.submit(edited)
+    run_all(engine, loop, [edited])
+    assert edited.cached == 2
     loop.close()
