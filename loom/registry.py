@@ -706,6 +706,9 @@ def trim_device(server, request):
     registry = server.registry
     if registry.device is None or body["device"] != 0:
         raise HTTPError(404, f"no device {body['device']}", "device_not_found", "device")
+    for reg in registry.registrations.values():
+        if getattr(reg, "engine", None) is not None:
+            reg.engine.release_idle()   # retained idle conversations are reclaimable caches too
     freed = registry.device.pool.trim(body["target_bytes"])
     return Response.json(dict(registry.resources(), device_index=0, freed_bytes=freed))
 
