@@ -39,7 +39,7 @@ def scout_dir():
     """A tiny Qwen2-shaped model with random weights and a byte-level tokenizer,
     generated deterministically on first start: it serves the text API's
     shapes (framing, streaming, tools, limits), not meaningful answers."""
-    folder = os.path.join(CACHE, "scout-v1")
+    folder = os.path.join(CACHE, "scout-v2")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
     from .tokenizer import _bytes_to_unicode
@@ -66,7 +66,12 @@ def scout_dir():
     def m(rows, cols):
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": m(v, d), "model.norm.weight": np.ones(d, np.float32)}
+    # An untied head whose printable-ASCII rows dominate: random weights then babble
+    # readable characters instead of stray bytes that decode to U+FFFD.
+    head = m(v, d) * 0.05
+    head[32:127] *= 60.0
+    tensors = {"model.embed_tokens.weight": m(v, d), "model.norm.weight": np.ones(d, np.float32),
+               "lm_head.weight": head}
     for i in range(s["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({
@@ -81,7 +86,7 @@ def scout_dir():
             p + "mlp.down_proj.weight": m(d, s["intermediate_size"])})
     write_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(dict(s, model_type="qwen2", vocab_size=v, tie_word_embeddings=True), f)
+        json.dump(dict(s, model_type="qwen2", vocab_size=v, tie_word_embeddings=False), f)
     try:
         os.rename(tmp, folder)   # atomic: a concurrent first start finds a whole folder or none
     except OSError:
