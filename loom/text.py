@@ -357,6 +357,21 @@ class ChatJob(registry.Job):
         if self.seq is not None:
             engine(self.server, self.reg).cancel(self.seq)
 
+    def fail(self, error):
+        """Withdrawn by unregister: the client gets the error (an SSE error event when
+        streaming); the step in flight retires before the row is let go."""
+        if self.gone:
+            return
+        if self.seq is not None:
+            engine(self.server, self.reg).cancel(self.seq)
+        if self.stream is None:
+            super().fail(error)
+            return
+        self.gone = True
+        self.stream.send(sse_event({"error": {"message": error.message, "type": "gone_error", "param": error.param,
+                                              "code": error.code}}))
+        self.stream.finish()
+
     def finish(self, response=None, error=None):
         if self.stream is not None and error is not None and not self.gone:
             err = error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed")

@@ -206,3 +206,33 @@ def test_a_follow_up_turn_reuses_the_idle_row(server):
     assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
     events = sse(server, dict(BASE, messages=follow, max_tokens=4, stream=True, stream_options={"include_usage": True}))
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # streamed usage reports it too
+
+
+def test_unregister_abort_ends_a_running_stream_with_an_error_event(server, tmp_path):
+    from loom import demo
+    doc = {"model": "scout2", "kind": "text", "sources": ["llama.loom"], "checkpoint": demo.scout_dir(),
+           "base_directory": demo.MODELS + "/llama", "rows": 2, "context_length": 1024, "max_output_tokens": 1000}
+    assert server.request("POST", "/v1/models/register", body=json.dumps(doc).encode(),
+                          headers={"Content-Type": "application/json"})[0] == 202
+    import time
+    for _ in range(200):
+        regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+        if next(r for r in regs if r["model"] == "scout2")["phase"] == "ready":
+            break
+        time.sleep(0.05)
+    sock = server.raw(timeout=30)
+    data = json.dumps({"model": "scout2", "messages": [{"role": "user", "content": "go"}], "max_tokens": 900,
+                       "stream": True}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    time.sleep(0.5)   # generating by now
+    assert server.request("POST", "/v1/models/unregister", body=json.dumps({"model": "scout2", "mode": "abort"}).encode(),
+                          headers={"Content-Type": "application/json"})[0] == 202
+    status, _, body = read_response(sock)          # the stream ends, with the withdrawal as its last event
+    assert status == 200 and b'"code":"model_unregistered"' in body.rstrip().split(b"\n\n")[-1]
+    sock.close()
+    for _ in range(100):
+        if not any(r["model"] == "scout2" for r in json.loads(server.request("GET", "/v1/status")[2])["registrations"]):
+            break
+        time.sleep(0.05)
+    assert not any(r["model"] == "scout2" for r in json.loads(server.request("GET", "/v1/status")[2])["registrations"])
