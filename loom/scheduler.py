@@ -30,8 +30,9 @@ class Sequence:
     """One generation: prompt in, tokens out through callbacks on the loop thread."""
 
     def __init__(self, prompt, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=(),
-                 on_token=None, on_done=None, ready=None):
+                 on_token=None, on_done=None, ready=None, session=None):
         self.prompt = list(prompt)
+        self.session = session    # a named history to continue (X-Loom-Session), best effort
         self.max_tokens = max_tokens
         self.params = (float(temperature), float(top_p), float(top_k), 0.0)
         self.seed = int(seed) & 0xFFFFFFFF ^ (int(seed) >> 32) & 0xFFFFFFFF
@@ -50,7 +51,7 @@ class Sequence:
 
 
 class TextEngine:
-    def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256):
+    def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256, session_capacity=0):
         self.prepared = prepared
         self.loop = loop
         self.vocab = prepared.spec("V")
@@ -60,6 +61,11 @@ class TextEngine:
         self.tables = [RowPages(self.pool, self.max_pages) for _ in range(rows)]
         self.history = [None] * rows         # idle rows: the tokens whose KV they still hold
         self.idle_since = [0] * rows
+        # Named histories: name -> (tokens, pages). They hold page references outside any
+        # row, so they survive row reuse; rows + session_capacity of them are kept (LRU).
+        self.sessions = collections.OrderedDict()
+        self.session_limit = rows + session_capacity
+        self.session_users = set()           # names of sessions a running sequence continues
         self.waiting = collections.deque()
         self.chunk = chunk
         self.token_budget = token_budget
@@ -100,7 +106,18 @@ class TextEngine:
     def _retire(self, row, reason):
         seq = self.rows[row]
         self.rows[row] = None
-        if reason in ("stop", "length"):
+        if seq.session is not None:
+            self.session_users.discard(seq.session)
+        if reason in ("stop", "length") and seq.session is not None and seq.session not in self.session_users:
+            # A named history leaves the row with its pages: it is no candidate for
+            # automatic reuse, and it outlives the row's next occupant.
+            table = self.tables[row]
+            self._drop_session(seq.session)
+            self.sessions[seq.session] = ((seq.prompt + seq.generated)[:table.length], table.pages)
+            table.pages, table.length = [], 0
+            while len(self.sessions) > self.session_limit:
+                self._drop_session(next(iter(self.sessions)))
+        elif reason in ("stop", "length"):
             # The row stays idle with its conversation's keys and values: an untagged
             # request that continues it exactly reuses them (automatic row reuse).
             self.history[row] = (seq.prompt + seq.generated)[:self.tables[row].length]
@@ -118,11 +135,16 @@ class TextEngine:
         while self.waiting and None in self.rows:
             seq = self.waiting.popleft()
             best, best_len = None, 0
-            for row, history in enumerate(self.history):
-                if self.rows[row] is None and history:
-                    n = _common_prefix(history, seq.prompt)
-                    if n > best_len:
-                        best, best_len = row, n
+            if seq.session is not None:
+                best_len = self._continue_session(seq)
+                if best_len:
+                    continue
+            else:
+                for row, history in enumerate(self.history):
+                    if self.rows[row] is None and history:
+                        n = _common_prefix(history, seq.prompt)
+                        if n > best_len:
+                            best, best_len = row, n
             if best is None:
                 free = [r for r in range(len(self.rows)) if self.rows[r] is None]
                 best = min(free, key=lambda r: (bool(self.history[r]), self.idle_since[r]))
@@ -138,16 +160,49 @@ class TextEngine:
             seq.fed = seq.cached = reuse
             seq.row = best
             self.rows[best] = seq
+            if seq.session is not None:
+                self.session_users.add(seq.session)
 
+    def _continue_session(self, seq):
+        """Put a named history back in a row if the prompt extends it; 0 if it cannot
+        (absent, evicted, in use, or edited): then the caller replays the full history."""
+        saved = self.sessions.get(seq.session)
+        if saved is None or seq.session in self.session_users:
+            return 0
+        tokens, pages = saved
+        reuse = min(_common_prefix(tokens, seq.prompt), len(seq.prompt) - 1)
+        if reuse == 0:
+            return 0
+        free = [r for r in range(len(self.rows)) if self.rows[r] is None]
+        row = min(free, key=lambda r: (bool(self.history[r]), self.idle_since[r]))
+        table = self.tables[row]
+        table.clear()
+        self.history[row] = None
+        del self.sessions[seq.session]
+        table.pages, table.length = pages, reuse   # the row takes over the session's page references
+        seq.fed = seq.cached = reuse
+        seq.row = row
+        self.rows[row] = seq
+        self.session_users.add(seq.session)
+        return reuse
+
+    def _drop_session(self, name):
+        saved = self.sessions.pop(name, None)
+        if saved is not None:
+            self.pool.release(saved[1])
     def release_idle(self):
-        """Drop every idle row's retained conversation (trim, memory pressure)."""
+        """Drop every idle row's retained conversation and every named history (trim)."""
         while self._reclaim():
             pass
 
     def _reclaim(self):
-        """Free the least recently used idle row's pages; False when there is none."""
+        """Free the least recently used idle row's pages, else the least recently used
+        named history's; False when nothing is left to reclaim."""
         idle = [r for r in range(len(self.rows)) if self.rows[r] is None and self.history[r]]
         if not idle:
+            if self.sessions:
+                self._drop_session(next(iter(self.sessions)))
+                return True
             return False
         row = min(idle, key=lambda r: self.idle_since[r])
         self.tables[row].clear()

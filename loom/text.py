@@ -6,6 +6,8 @@ admission gate, and keep the prepared deployment (and so its tokenizer)
 borrowed until the work has actually finished.
 """
 
+import re
+
 from .http import Deferred, HTTPError, Response
 from .jsonin import Arr, Bool, Int, Obj, Str
 
@@ -188,7 +190,14 @@ def _validated(server, request):
     return body, reg, policy, prompt
 
 
+SESSION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
 def chat_completions(server, request):
+    session = request.header("x-loom-session")
+    if session is not None and not SESSION_NAME.fullmatch(session):
+        raise HTTPError(400, "X-Loom-Session names are 1-64 ASCII letters, digits, '_', '.' or '-'",
+                        "invalid_header", "X-Loom-Session")
     body, reg, policy, prompt = _validated(server, request)
     stream = bool(body.get("stream"))
     choice = body.get("tool_choice", "auto")
@@ -196,7 +205,7 @@ def chat_completions(server, request):
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or reg.doc["max_output_tokens"]
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
-                  body.get("enable_thinking"), choice != "none")
+                  body.get("enable_thinking"), choice != "none", session)
     server.registry.enter(reg, job)
     return job.stream if stream else job.deferred
 
@@ -235,7 +244,7 @@ def engine(server, reg):
     if getattr(reg, "engine", None) is None or reg.engine.prepared is not reg.prepared:
         options = reg.prepared.binding.options
         reg.engine = TextEngine(reg.prepared, server.loop, rows=reg.doc["rows"], pages=options["pages"],
-                                page_size=options["page_size"])
+                                page_size=options["page_size"], session_capacity=reg.doc["session_cache_capacity"])
     return reg.engine
 
 
@@ -243,8 +252,9 @@ class ChatJob(registry.Job):
     what = "chat completion"
 
     def __init__(self, server, reg, request, policy, prompt, limit, sampling, stream, include_usage, thinking,
-                 tools_allowed):
+                 tools_allowed, session=None):
         super().__init__(server, reg, request)
+        self.session = session
         self.policy, self.prompt_text, self.limit, self.sampling = policy, prompt, limit, sampling
         self.include_usage = include_usage
         self.parser = policy.parser(thinking, tools_allowed)
@@ -281,7 +291,7 @@ class ChatJob(registry.Job):
         self.stop_ids = stop_ids
         temperature, top_p, top_k, seed = self.sampling
         self.seq = Sequence(ids, self.limit, temperature, top_p, top_k, seed, stop_ids, self.on_token, self.on_done,
-                            ready=(lambda: self.stream.ready) if self.stream else None)
+                            ready=(lambda: self.stream.ready) if self.stream else None, session=self.session)
         if self.stream:
             self.send({"role": "assistant", "content": ""})
         engine(self.server, self.reg).submit(self.seq)

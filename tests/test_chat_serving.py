@@ -236,3 +236,25 @@ def test_unregister_abort_ends_a_running_stream_with_an_error_event(server, tmp_
             break
         time.sleep(0.05)
     assert not any(r["model"] == "scout2" for r in json.loads(server.request("GET", "/v1/status")[2])["registrations"])
+
+
+def test_named_session_turns_reuse_their_history(server):
+    def turn(messages, session, tokens=6):
+        status, _, body = server.request("POST", "/v1/chat/completions", body=json.dumps(
+            dict(BASE, messages=messages, max_tokens=tokens)).encode(),
+            headers={"Content-Type": "application/json", "X-Loom-Session": session})
+        return status, json.loads(body)
+
+    messages = [{"role": "user", "content": "A session about colors."}]
+    status, first = turn(messages, "colors-1")
+    assert status == 200
+    for i in range(4):                                   # other traffic takes every row meanwhile
+        chat(server, dict(BASE, messages=[{"role": "user", "content": f"noise {i}"}], max_tokens=3))
+    follow = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "More?"}]
+    status, second = turn(follow, "colors-1")
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    status, body = turn(messages, "bad name!")
+    assert status == 400 and body["error"]["param"] == "X-Loom-Session"
+    status, other = turn(follow, "colors-2")               # sessions are separate histories
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -155,3 +155,37 @@ def test_an_idle_row_continues_a_conversation_without_recomputing_it(model):
     run_all(engine, loop, [edited])
     assert edited.cached == 2
     loop.close()
+
+
+def test_named_sessions_survive_other_traffic_and_are_bounded(model):
+    prepared, _ = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=1, pages=PAGES, page_size=PAGE, session_capacity=1)
+    alice = Sequence([5, 6, 7, 8, 9], max_tokens=4, session="alice")
+    engine.submit(alice)
+    run_all(engine, loop, [alice])
+    other = Sequence([1, 2, 3], max_tokens=3)          # takes the only row meanwhile
+    engine.submit(other)
+    run_all(engine, loop, [other])
+    again = Sequence(alice.prompt + alice.generated + [11], max_tokens=2, session="alice")
+    engine.submit(again)
+    run_all(engine, loop, [again])
+    assert again.cached == len(alice.prompt) + len(alice.generated) - 1
+    # A session is no candidate for automatic reuse, and an edited history replays.
+    plain = Sequence(again.prompt + again.generated, max_tokens=1)
+    engine.submit(plain)
+    run_all(engine, loop, [plain])
+    assert plain.cached == 0
+    edited = Sequence([5, 6, 99], max_tokens=1, session="alice")
+    engine.submit(edited)
+    run_all(engine, loop, [edited])
+    assert edited.cached == 2                            # the common prefix only
+    # rows + session_capacity = 2 named histories at most: the oldest goes.
+    for name in ("bob", "carol"):
+        s = Sequence([7, 7, 7], max_tokens=1, session=name)
+        engine.submit(s)
+        run_all(engine, loop, [s])
+    assert list(engine.sessions) == ["bob", "carol"]
+    engine.release_idle()
+    assert engine.pool.available == PAGES and not engine.sessions
+    loop.close()
