@@ -154,6 +154,7 @@ ROUTES = [
     ("POST", "/v1/systemone", decisions.create),
     ("POST", "/v1/chat/completions", text.chat_completions),
     ("POST", "/v1/chat/completions/input_tokens", text.input_tokens),
+    ("GET", "/v1/sessions", text.sessions),
     ("POST", "/tokenize", text.tokenize),
     ("POST", "/detokenize", text.detokenize),
 ] + registry.ROUTES

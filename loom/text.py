@@ -390,3 +390,27 @@ class ChatJob(registry.Job):
             self.stream.finish()
             error = None
         super().finish(response, error)
+
+
+def sessions(server, request):
+    """GET /v1/sessions: named histories held by text deployments, a bounded page at a time."""
+    request.require_empty_body()
+    params = request.params({"offset", "limit"})
+    offset = request.int_param(params, "offset", 0, 0, 2**63 - 1)
+    limit = request.int_param(params, "limit", 50, 1, 100)
+    texts = [reg for reg in server.registry.registrations.values() if reg.kind == "text" and not reg.removing]
+    if not texts:
+        raise HTTPError(501, "no text deployment retains sessions here", "not_implemented")
+    rows = []
+    for reg in texts:
+        eng = getattr(reg, "engine", None)
+        for name, (tokens, pages) in (eng.sessions.items() if eng is not None else ()):
+            rows.append({"model": reg.name, "session": name, "tokens": len(tokens), "pages": len(pages),
+                         "state": "idle"})
+        for seq in (eng.rows if eng is not None else ()):
+            if seq is not None and seq.session is not None:
+                rows.append({"model": reg.name, "session": seq.session, "tokens": len(seq.prompt),
+                             "pages": len(eng.tables[seq.row].pages), "state": "active"})
+    page = rows[offset:offset + limit]
+    return Response.json({"object": "list", "data": page, "offset": offset, "total": len(rows),
+                          "next_offset": offset + len(page) if offset + len(page) < len(rows) else None})

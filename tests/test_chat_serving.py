@@ -258,3 +258,14 @@ def test_named_session_turns_reuse_their_history(server):
     assert status == 400 and body["error"]["param"] == "X-Loom-Session"
     status, other = turn(follow, "colors-2")               # sessions are separate histories
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_sessions_inspection(server, live_server):
+    server.request("POST", "/v1/chat/completions", body=json.dumps(dict(BASE, max_tokens=2)).encode(),
+                   headers={"Content-Type": "application/json", "X-Loom-Session": "inspect-me"})
+    listing = json.loads(server.request("GET", "/v1/sessions?limit=100")[2])
+    mine = [s for s in listing["data"] if s["session"] == "inspect-me"]
+    assert mine and mine[0]["model"] == "scout" and mine[0]["state"] == "idle" and mine[0]["pages"] >= 1
+    assert server.request("GET", "/v1/sessions?limit=101")[0] == 400
+    bare = live_server()                                   # no text deployment at all
+    assert bare.request("GET", "/v1/sessions")[0] == 501
