@@ -76,6 +76,22 @@ class RowPages:
         if needed > len(self.pages):
             self.pages += self.pool.alloc(needed - len(self.pages))
 
+    def truncate(self, length):
+        """Keep positions [0, length) for reuse and return the length kept. A page that
+        is shared (a prefix-cache entry or a named history holds it too) is never
+        written again: the boundary moves down to its start, and pages past the
+        boundary are let go, so new positions always land in private pages."""
+        size = self.pool.page_size
+        keep = length // size
+        if length % size and keep < len(self.pages) and self.pool.refs[self.pages[keep]] == 1:
+            keep += 1
+        else:
+            length = keep * size
+        self.pool.release(self.pages[keep:])
+        self.pages = self.pages[:keep]
+        self.length = length
+        return length
+
     def table(self):
         """The row's page table as the kernels read it: page ids, then -1."""
         out = np.full(self.max_pages, -1, np.int32)

@@ -51,7 +51,8 @@ class Sequence:
 
 
 class TextEngine:
-    def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256, session_capacity=0):
+    def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256, session_capacity=0,
+                 prefix_capacity=0):
         self.prepared = prepared
         self.loop = loop
         self.vocab = prepared.spec("V")
@@ -66,6 +67,10 @@ class TextEngine:
         self.sessions = collections.OrderedDict()
         self.session_limit = rows + session_capacity
         self.session_users = set()           # names of sessions a running sequence continues
+        # Prefix cache: exact prompt prefixes at page-aligned prefill boundaries -> their pages
+        # (shared references: rows extend them into private pages, never write them).
+        self.prefixes = collections.OrderedDict()
+        self.prefix_capacity = prefix_capacity
         self.waiting = collections.deque()
         self.chunk = chunk
         self.token_budget = token_budget
@@ -152,10 +157,18 @@ class TextEngine:
             # At least the prompt's last token is computed again: its logits start generation.
             reuse = min(best_len, len(seq.prompt) - 1)
             table = self.tables[best]
-            if reuse == 0:
+            prefix, pages = self._longest_prefix(seq.prompt)
+            if len(prefix) > reuse:
+                # A cached prefix beats the row's own history: start from its pages.
+                table.clear()
+                self.pool.share(pages)
+                table.pages, table.length = list(pages), len(prefix)
+                self.prefixes.move_to_end(prefix)
+                reuse = len(prefix)
+            elif reuse == 0:
                 table.clear()
             else:
-                table.length = reuse
+                reuse = table.truncate(reuse)
             self.history[best] = None
             seq.fed = seq.cached = reuse
             seq.row = best
@@ -179,12 +192,49 @@ class TextEngine:
         table.clear()
         self.history[row] = None
         del self.sessions[seq.session]
-        table.pages, table.length = pages, reuse   # the row takes over the session's page references
+        table.pages = pages                        # the row takes over the session's page references
+        reuse = table.truncate(reuse)
         seq.fed = seq.cached = reuse
         seq.row = row
         self.rows[row] = seq
         self.session_users.add(seq.session)
         return reuse
+
+    def _longest_prefix(self, prompt):
+        """The longest cached prefix of prompt (leaving its last token to compute)."""
+        best, pages = (), []
+        for prefix, entry in self.prefixes.items():
+            if len(best) < len(prefix) < len(prompt) and tuple(prompt[:len(prefix)]) == prefix:
+                best, pages = prefix, entry
+        return best, pages
+
+    def _capture(self, seq, row):
+        """After a prefill step: remember page-aligned prefixes of the prompt.
+
+        A chunk boundary is a natural boundary and may displace the least recently
+        used entry, unless the cache already holds an ancestor of this prompt (a full
+        cache keeps its first matching ancestor). The last page boundary before the
+        prompt's end is kept only in a free slot: it never evicts another prefix."""
+        if not self.prefix_capacity or seq.session is not None:
+            return
+        size = self.pool.page_size
+        table = self.tables[row]
+        natural = seq.fed % self.chunk == 0 and seq.fed < len(seq.prompt)
+        boundary = seq.fed if natural else (min(seq.fed, len(seq.prompt) - 1) // size) * size
+        if boundary < size or boundary % size:
+            return
+        prefix = tuple(seq.prompt[:boundary])
+        if prefix in self.prefixes:
+            self.prefixes.move_to_end(prefix)
+            return
+        if len(self.prefixes) >= self.prefix_capacity:
+            ancestor = any(prefix[:len(p)] == p for p in self.prefixes)
+            if not natural or ancestor:
+                return
+            self.pool.release(self.prefixes.popitem(last=False)[1])
+        pages = table.pages[:boundary // size]
+        self.pool.share(pages)
+        self.prefixes[prefix] = pages
 
     def _drop_session(self, name):
         saved = self.sessions.pop(name, None)
@@ -202,6 +252,9 @@ class TextEngine:
         if not idle:
             if self.sessions:
                 self._drop_session(next(iter(self.sessions)))
+                return True
+            if self.prefixes:
+                self.pool.release(self.prefixes.popitem(last=False)[1])
                 return True
             return False
         row = min(idle, key=lambda r: self.idle_since[r])
@@ -309,6 +362,7 @@ class TextEngine:
                 continue
             if seq.fed < len(seq.prompt):
                 seq.fed += len(fed)
+                self._capture(seq, row)
                 if seq.fed < len(seq.prompt):
                     continue                      # more prompt to prefill: this logit is not a prediction
             if seq.cancelled:

@@ -244,7 +244,8 @@ def engine(server, reg):
     if getattr(reg, "engine", None) is None or reg.engine.prepared is not reg.prepared:
         options = reg.prepared.binding.options
         reg.engine = TextEngine(reg.prepared, server.loop, rows=reg.doc["rows"], pages=options["pages"],
-                                page_size=options["page_size"], session_capacity=reg.doc["session_cache_capacity"])
+                                page_size=options["page_size"], session_capacity=reg.doc["session_cache_capacity"],
+                                prefix_capacity=reg.doc["prefix_cache_capacity"])
     return reg.engine
 
 

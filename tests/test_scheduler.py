@@ -189,3 +189,55 @@ def test_named_sessions_survive_other_traffic_and_are_bounded(model):
     engine.release_idle()
     assert engine.pool.available == PAGES and not engine.sessions
     loop.close()
+
+
+def test_prefix_cache_shares_prompt_prefixes_without_corrupting_them(model):
+    prepared, _ = model
+    loop = Loop(2)
+    rng = np.random.default_rng(9)
+    system = list(rng.integers(0, V, 70))                  # a shared 64-token boundary, and then some
+    engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=64, prefix_capacity=2)
+    first = Sequence(system + [1, 2, 3], max_tokens=4)
+    engine.submit(first)
+    run_all(engine, loop, [first])
+    assert tuple(system[:64]) in engine.prefixes           # the natural boundary was kept
+    # Rows are busy with other prompts, so only the prefix cache can help the next one.
+    fillers = [Sequence([90 + i] * 5, max_tokens=2) for i in range(2)]
+    for s in fillers:
+        engine.submit(s)
+    run_all(engine, loop, fillers)
+    second = Sequence(system + [4, 5, 6, 7], max_tokens=4)
+    engine.submit(second)
+    run_all(engine, loop, [second])
+    assert second.cached == 64
+    fresh = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=64)
+    alone = Sequence(system + [4, 5, 6, 7], max_tokens=4)
+    fresh.submit(alone)
+    run_all(fresh, loop, [alone])
+    assert second.generated == alone.generated              # the shared pages held exact state
+    # A row continuing its own history inside a shared page must not write into it.
+    third = Sequence(system[:40] + [8, 8], max_tokens=3)
+    engine.submit(third)
+    run_all(engine, loop, [third])
+    fourth = Sequence(system + [4, 5, 6, 7], max_tokens=4)
+    engine.submit(fourth)
+    run_all(engine, loop, [fourth])
+    assert fourth.generated == alone.generated
+    engine.release_idle()
+    assert engine.pool.available == PAGES and not engine.prefixes
+    loop.close()
+
+
+def test_a_full_cache_keeps_its_first_ancestor_and_the_end_boundary_never_evicts(model):
+    prepared, _ = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=1, pages=PAGES, page_size=PAGE, chunk=32, prefix_capacity=1)
+    long = Sequence(list(range(1, 100)), max_tokens=1)      # boundaries at 32, 64 and 96
+    engine.submit(long)
+    run_all(engine, loop, [long])
+    assert list(engine.prefixes) == [tuple(range(1, 33))]   # later boundaries did not replace the ancestor
+    other = Sequence(list(range(50, 90)), max_tokens=1)     # a new branch: its natural boundary may reclaim
+    engine.submit(other)
+    run_all(engine, loop, [other])
+    assert list(engine.prefixes) == [tuple(range(50, 82))]
+    loop.close()
