@@ -92,6 +92,7 @@ class Registration:
         self.deactivate_when_idle = False
         self.readers = set()        # Deferreds waiting for a staged variant's compilation
         self.batcher = None         # the kind's cohort former, created on first use
+        self.engine = None          # text: the continuous-batching engine, created on first use
         self.package = None         # an uploaded source package, retained until the model retires
         self.loaded = []            # its members this registration's sources name: (path, bytes)
 
@@ -142,6 +143,7 @@ class Registration:
             "variants": {"selected": p.selected, "count": len(p.variants)} if p is not None and p.variants else None,
             "batching": ({"cohorts": self.batcher.cohorts, "requests": self.batcher.requests}
                          if getattr(self, "batcher", None) is not None else None),
+            "scheduler": self.engine.stats() if getattr(self, "engine", None) is not None else None,
         }
 
 

@@ -98,6 +98,15 @@ class TextEngine:
             seq.on_done("cancelled")
         self._kick()
 
+    def stats(self):
+        """For /v1/status: what the rows and the KV pool hold right now."""
+        return {"rows": len(self.rows), "active": sum(r is not None for r in self.rows),
+                "waiting": len(self.waiting),
+                "idle_conversations": sum(1 for r, h in enumerate(self.history) if self.rows[r] is None and h),
+                "sessions": len(self.sessions), "prefixes": len(self.prefixes),
+                "pages": {"total": self.pool.pages, "free": self.pool.available, "page_size": self.pool.page_size},
+                "steps": self.steps}
+
     def wake(self):
         """A consumer that was not ready is ready again (its output drained)."""
         self._kick()

@@ -269,3 +269,11 @@ def test_sessions_inspection(server, live_server):
     assert server.request("GET", "/v1/sessions?limit=101")[0] == 400
     bare = live_server()                                   # no text deployment at all
     assert bare.request("GET", "/v1/sessions")[0] == 501
+
+
+def test_status_shows_the_scheduler(server):
+    chat(server, dict(BASE, max_tokens=2))
+    regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+    sched = next(r for r in regs if r["model"] == "scout")["scheduler"]
+    assert sched["rows"] == 4 and sched["active"] == 0 and sched["steps"] > 0
+    assert 0 < sched["pages"]["free"] <= sched["pages"]["total"] and sched["pages"]["page_size"] == 16
