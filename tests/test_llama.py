@@ -312,13 +312,18 @@ def greedy_reference(weights, arch, prompt, n):
     return out, gaps
 
 
+def prepared_model(device, folder, arch, dtype, seed, pages=PAGES, context=CTX):
+    """A random checkpoint of `arch`/`dtype` written to folder and prepared: (prepared, weights)."""
+    dev, compiler = device
+    weights = make_checkpoint(folder / "m.gguf", arch, dtype, seed=seed)
+    prepared = runtime.prepare(f"{arch}-{dtype}-{seed}", [SOURCE], str(folder / "m.gguf"),
+                               {"pages": pages, "page_size": PAGE, "context_length": context}, dev, compiler)
+    return prepared, weights
+
+
 @pytest.fixture(scope="module")
 def qwen2_q8(device, tmp_path_factory):
-    dev, compiler = device
-    path = tmp_path_factory.mktemp("q") / "m.gguf"
-    weights = make_checkpoint(path, "qwen2", "Q8_0", seed=11)
-    prepared = runtime.prepare("gen", [SOURCE], str(path),
-                               {"pages": PAGES, "page_size": PAGE, "context_length": CTX}, dev, compiler)
+    prepared, weights = prepared_model(device, tmp_path_factory.mktemp("q"), "qwen2", "Q8_0", 11)
     yield prepared, weights
     prepared.release()
 

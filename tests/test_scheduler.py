@@ -5,21 +5,16 @@ import time
 import numpy as np
 import pytest
 
-from loom import runtime
 from loom.scheduler import Sequence, TextEngine
 from loom.server import Loop
-from test_llama import SOURCE, V, device, greedy_reference, make_checkpoint  # noqa: F401  (device: a fixture)
+from test_llama import V, device, greedy_reference, prepared_model  # noqa: F401  (device: a fixture)
 
 PAGE, PAGES, CTX = 16, 48, 512
 
 
 @pytest.fixture(scope="module")
 def model(device, tmp_path_factory):  # noqa: F811  (the imported fixture)
-    dev, compiler = device
-    path = tmp_path_factory.mktemp("s") / "m.gguf"
-    weights = make_checkpoint(path, "qwen2", "F32", seed=21)
-    prepared = runtime.prepare("sched", [SOURCE], str(path),
-                               {"pages": PAGES, "page_size": PAGE, "context_length": CTX}, dev, compiler)
+    prepared, weights = prepared_model(device, tmp_path_factory.mktemp("s"), "qwen2", "F32", 21, PAGES, CTX)
     yield prepared, weights
     prepared.release()
 
