@@ -20,6 +20,9 @@
  *   kernel add(__global float *Y, const __global float *X, int n)    Y += X
  *   kernel mul(__global float *Y, const __global float *X, int n)    Y *= X
  *   kernel scale(__global float *Y, int n, float s)                  Y *= s
+ *   kernel to_f16(const __global float *X, __global half *Y, int n)
+ *       Y = (half) X, IEEE binary16 by vstore_half (round to nearest even,
+ *       overflow to +-inf), so no cl_khr_fp16 is needed; Y is n halves
  *
  * Row broadcast (macro F = row length, required):
  *   kernel add_bias(__global float *Y, const __global float *b, int T)  Y[t, i] += b[i]
@@ -103,4 +106,11 @@ __kernel void scale(__global float *Y, int n, float s)
     const int i = get_global_id(0);
     if (i < n)
         Y[i] *= s;
+}
+
+__kernel void to_f16(const __global float *X, __global half *Y, int n)
+{
+    const int i = get_global_id(0);
+    if (i < n)
+        vstore_half(X[i], i, Y);
 }

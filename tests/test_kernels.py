@@ -667,6 +667,20 @@ def test_add_mul_scale_add_bias(env):
     assert_close(env.read(yb, n), ref, 1e-6)
 
 
+def test_to_f16(env):
+    """float32 -> IEEE half bits exactly as numpy rounds them (nearest even, overflow to inf)."""
+    prg = env.build("elementwise")
+    n = 1003
+    x = (rng(503).standard_normal(n) * 100).astype(np.float32)
+    x[:8] = [0.0, -0.0, 65504.0, 70000.0, -1e6, 6e-8, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11]  # max, inf, subnormal, ties
+    yb = env.empty(2 * n)
+    env.run(prg.to_f16, (1008,), (16,), env.buf(x), yb, i32(n))
+    got = env.read(yb, n, np.uint16)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------- gather
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -764,5 +778,5 @@ def test_catalogue_lists_every_kernel():
     with open(os.path.join(OPENCL, "common.cl")) as f:
         assert "__kernel" not in f.read(), "common.cl is prepended everywhere: helpers only"
     assert {"matmul", "rms_norm", "layer_norm", "rope", "softmax", "kv_store", "attention",
-            "silu_mul", "gelu", "add", "mul", "scale", "add_bias", "gather", "mean_pool",
+            "silu_mul", "gelu", "add", "mul", "scale", "to_f16", "add_bias", "gather", "mean_pool",
             "cls_pool", "l2_normalize", "argmax"} <= found

@@ -2,7 +2,8 @@
 
 Runs the package's `advance` command directly through the runtime (prepared
 weights, paged KV with scattered pages), for Llama, Qwen2-style (q/k/v biases,
-NeoX rotation, tied head) and Qwen3-style (per-head q/k RMSNorm) checkpoints.
+NeoX rotation, tied head) and Qwen3-style (per-head q/k RMSNorm) checkpoints,
+and its sequence stage `encode` (every token's final normed hidden state, f16).
 """
 
 import math
@@ -176,8 +177,9 @@ def rope(x, positions, neox):
     return out
 
 
-def forward(weights, arch, tokens, fmt="gguf"):
-    """Logits of the last token, float64, the straightforward way."""
+def forward(weights, arch, tokens, fmt="gguf", hidden=False):
+    """Logits of the last token, float64, the straightforward way; with hidden=True,
+    every token's final hidden state after the output norm instead, [T, D]."""
     W = {k: v.astype(np.float64) for k, v in weights.items()}
     x = W["token_embd.weight"][tokens]
     positions = np.arange(len(tokens), dtype=np.float64)
@@ -202,6 +204,8 @@ def forward(weights, arch, tokens, fmt="gguf"):
         h = rms(x, W[f"blk.{i}.ffn_norm.weight"])
         gate, up = h @ W[f"blk.{i}.ffn_gate.weight"].T, h @ W[f"blk.{i}.ffn_up.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ W[f"blk.{i}.ffn_down.weight"].T
+    if hidden:
+        return rms(x, W["output_norm.weight"])
     head = W.get("output.weight", W["token_embd.weight"])
     return rms(x[-1], W["output_norm.weight"]) @ head.T
 
@@ -275,9 +279,8 @@ class Rows:
             self.tables[r, :per_row] = [free.pop() for _ in range(per_row)]
         self.length = [0] * rows
 
-    def step(self, work):
-        """work: [(row, [token ids])] -> logits of each listed row's last token, in order."""
-        device = self.prepared.device
+    def _pack(self, work):
+        """The cohort's per-token inputs, advancing each listed row's length."""
         tokens, pos, row_of, last = [], [], [], []
         for row, ids in work:
             tokens += ids
@@ -285,20 +288,36 @@ class Rows:
             row_of += [row] * len(ids)
             last.append(len(tokens) - 1)
             self.length[row] += len(ids)
-        host = {"tokens": np.array(tokens, np.int32), "pos": np.array(pos, np.int32),
+        return {"tokens": np.array(tokens, np.int32), "pos": np.array(pos, np.int32),
                 "row_of": np.array(row_of, np.int32), "pages": self.tables.ravel().copy(),
                 "last": np.array(last, np.int32)}
+
+    def _run(self, command, geometry, host, out_name, out_bytes):
+        device = self.prepared.device
         bufs = {n: device.pool.alloc(a.nbytes, "test", "workspace", host=a) for n, a in host.items()}
-        bufs["logits"] = device.pool.alloc(4 * V * len(work), "test", "workspace")
+        bufs[out_name] = device.pool.alloc(out_bytes, "test", "workspace")
         box = {}
-        self.prepared.plan_async("advance", {"T": len(tokens), "R": len(work)},
-                                 lambda plan, error: box.update(plan=plan, error=error))
+        self.prepared.plan_async(command, geometry, lambda plan, error: box.update(plan=plan, error=error))
         assert box["error"] is None, box["error"]
         box["plan"].run(bufs).wait()
-        logits = device.download(bufs["logits"], np.float32, V * len(work)).reshape(len(work), V)
+        out = device.download(bufs[out_name], np.uint8, out_bytes)
         for buf in bufs.values():
             buf.release()
-        return logits
+        return out
+
+    def step(self, work):
+        """work: [(row, [token ids])] -> logits of each listed row's last token, in order."""
+        host = self._pack(work)
+        out = self._run("advance", {"T": len(host["tokens"]), "R": len(work)}, host, "logits", 4 * V * len(work))
+        return out.view(np.float32).reshape(len(work), V)
+
+    def encode(self, work):
+        """work: [(row, [token ids])] -> the sequence stage's output bytes, [T, SEQUENCE_BYTES]
+        uint8, tokens in the order listed."""
+        host = self._pack(work)
+        del host["last"]
+        T, size = len(host["tokens"]), self.prepared.spec("SEQUENCE_BYTES")
+        return self._run("encode", {"T": T}, host, "out", T * size).reshape(T, size)
 
 
 def greedy_reference(weights, arch, prompt, n):
@@ -374,3 +393,92 @@ def test_greedy_generation_alone_and_batched(qwen2_q8):
         nxt = {r: int(logits[r].argmax()) for r in (0, 1, 2)}
     for r in (0, 1, 2):
         compare_greedy(got[r][:32], *expected[r])
+
+
+# -- the sequence stage ----------------------------------------------------------------
+
+SEQUENCE_CASES = [("llama", "Q4_0", "gguf"), ("qwen2", "Q8_0", "gguf"), ("qwen3", "F16", "gguf"),
+                  ("llama", "BF16", "safetensors")]
+
+
+@pytest.fixture(scope="module")
+def sequence_models(device, tmp_path_factory):
+    """(arch, dtype, fmt) -> (prepared, weights), prepared once per case for the tests below."""
+    dev, compiler = device
+    models = {}
+
+    def get(arch, dtype, fmt):
+        if (arch, dtype, fmt) not in models:
+            folder = tmp_path_factory.mktemp(f"seq-{arch}-{dtype}")
+            path = folder / ("m.gguf" if fmt == "gguf" else "hf")
+            weights = make_checkpoint(path, arch, dtype, seed=sum(map(ord, "seq" + arch + dtype + fmt)), fmt=fmt)
+            prepared = runtime.prepare(f"seq-{arch}-{dtype}-{fmt}", [SOURCE], str(path),
+                                       {"pages": PAGES, "page_size": PAGE, "context_length": CTX}, dev, compiler)
+            models[(arch, dtype, fmt)] = (prepared, weights)
+        return models[(arch, dtype, fmt)]
+
+    yield get
+    for prepared, _ in models.values():
+        prepared.release()
+
+
+def halves(out):
+    """encode's output bytes -> float32 [T, D] (llama: IEEE f16, row-major)."""
+    assert out.shape[1] == 2 * D
+    return out.view(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("arch,dtype,fmt", SEQUENCE_CASES, ids=["-".join(c) for c in SEQUENCE_CASES])
+def test_encode_matches_numpy(sequence_models, arch, dtype, fmt):
+    """Every token's final normed hidden state, for prompts of 1 and 37 tokens (over two pages)."""
+    prepared, weights = sequence_models(arch, dtype, fmt)
+    assert prepared.spec("SEQUENCE_BYTES") == 2 * D
+    rng = np.random.default_rng(2)
+    for n in (1, 37):
+        tokens = rng.integers(0, V, n).tolist()
+        got = halves(Rows(prepared, 1).encode([(0, tokens)]))
+        want = forward(weights, arch, tokens, fmt, hidden=True)
+        assert got.shape == want.shape == (n, D)
+        # f16 keeps 11 significant bits (relative rounding error <= 2^-11); the f32
+        # forward pass itself agrees with float64 to ~1e-5 of the largest value.
+        np.testing.assert_allclose(got, want, rtol=2 ** -10, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch,dtype,fmt", SEQUENCE_CASES[:3], ids=["-".join(c) for c in SEQUENCE_CASES[:3]])
+def test_encode_in_chunks_and_mixed_rows_matches_one_shot(sequence_models, arch, dtype, fmt):
+    """Chunks crossing page boundaries, and two rows in one launch, give the one-shot outputs."""
+    prepared, _ = sequence_models(arch, dtype, fmt)
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(0, V, 45).tolist(), rng.integers(0, V, 23).tolist()
+    one_a = halves(Rows(prepared, 1).encode([(0, a)]))
+    one_b = halves(Rows(prepared, 1).encode([(0, b)]))
+    # Cohorts of different sizes take different matmul geometries (summation orders):
+    # a few halves may land one f16 step apart; equal geometries give equal bytes.
+    tolerance = dict(rtol=2 ** -10, atol=1e-5 * np.abs(one_a).max())
+    # One row in chunks of 7, 13 and 25 tokens: the second and third cross pages 0|1 and 1|2.
+    rows = Rows(prepared, 1)
+    chunks = [halves(rows.encode([(0, a[i:j])])) for i, j in ((0, 7), (7, 20), (20, 45))]
+    np.testing.assert_allclose(np.concatenate(chunks), one_a, **tolerance)
+    # Two rows mixed: both prefill a first chunk, then both finish in one launch.
+    rows = Rows(prepared, 2)
+    first = halves(rows.encode([(0, a[:10]), (1, b[:18])]))
+    second = halves(rows.encode([(1, b[18:]), (0, a[10:])]))
+    np.testing.assert_allclose(np.concatenate([first[:10], second[5:]]), one_a, **tolerance)
+    np.testing.assert_allclose(np.concatenate([first[10:], second[:5]]), one_b, **tolerance)
+
+
+@pytest.mark.parametrize("arch,dtype,fmt", SEQUENCE_CASES, ids=["-".join(c) for c in SEQUENCE_CASES])
+def test_encode_writes_the_kv_cache_advance_continues(sequence_models, arch, dtype, fmt):
+    """encode tokens[:n], then advance tokens[n:] on the same pages: the last token's
+    logits equal advancing the whole prompt at once (and numpy)."""
+    prepared, weights = sequence_models(arch, dtype, fmt)
+    tokens = np.random.default_rng(5).integers(0, V, 41).tolist()
+    whole = Rows(prepared, 1).step([(0, tokens)])[0]
+    want = forward(weights, arch, tokens, fmt)
+    assert np.abs(whole - want).max() <= 1e-4 * np.abs(want).max()
+    for n in (1, 16, 29, 40):        # page-aligned and not; the continuation is a prefill chunk or one token
+        rows = Rows(prepared, 1)
+        rows.encode([(0, tokens[:n])])
+        logits = rows.step([(0, tokens[n:])])[0]
+        assert np.abs(logits - whole).max() <= 1e-5 * np.abs(whole).max(), (n, np.abs(logits - whole).max())
+        assert np.abs(logits - want).max() <= 1e-4 * np.abs(want).max(), n
