@@ -97,9 +97,16 @@ def scout_dir():
 
 def catalog():
     """Model documents for the default deployments that can run in this build."""
-    docs = [{"model": "scout", "kind": "text", "sources": ["llama.loom"], "checkpoint": scout_dir(),
-             "base_directory": os.path.join(MODELS, "llama"), "rows": 4, "context_length": 2048,
-             "max_output_tokens": 256, "options": {"chat": "chatml"}}]
+    scout = scout_dir()
+    llama = os.path.join(MODELS, "llama")
+    docs = [{"model": "scout", "kind": "text", "sources": ["llama.loom"], "checkpoint": scout,
+             "base_directory": llama, "rows": 4, "context_length": 2048, "max_output_tokens": 256,
+             "session_cache_capacity": 8, "prefix_cache_capacity": 4, "checkpoint_capacity": 4,
+             "checkpoint_backing": "elastic", "options": {"chat": "chatml"}},
+            # The same decoder as a known-token sequence model: per-token final hidden states (f16).
+            {"model": "encoder", "kind": "sequence", "sources": ["llama.loom"], "checkpoint": scout,
+             "base_directory": llama, "rows": 2, "context_length": 2048, "session_cache_capacity": 8,
+             "checkpoint_capacity": 4, "checkpoint_backing": "elastic"}]
     minilm = minilm_dir()
     if minilm is not None:
         docs.append({"model": "vectors", "kind": "embedding", "sources": ["bert.loom"], "checkpoint": minilm,

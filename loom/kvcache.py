@@ -5,7 +5,12 @@ paged(PAGE)` declarations) is allocated once at preparation; this module
 decides which page holds what. A row holds a list of pages covering its
 positions; retained conversations, prefix-cache entries and checkpoints hold
 references to the same pages, so sharing an exact prefix costs no copy, and
-a page returns to the free list when its last reference goes.
+a page returns to the free list when its last reference goes. A shared page
+is never written: a row that must extend a shared, partly filled page first
+copies it (copy-on-write, `PagedState.copy`).
+
+`PagedState` is the device side: page copies, and host snapshots of a
+checkpoint's pages (suspension) and their return into fresh pages.
 """
 
 import numpy as np
@@ -62,9 +67,10 @@ class PagePool:
 class RowPages:
     """One sequence's page table: grows a page at a time as positions are added."""
 
-    def __init__(self, pool, max_pages):
+    def __init__(self, pool, max_pages, copy=None):
         self.pool = pool
         self.max_pages = max_pages
+        self.copy = copy         # copy(src, dst): duplicate a page's contents (copy-on-write)
         self.pages = []
         self.length = 0          # positions stored
 
@@ -78,15 +84,25 @@ class RowPages:
 
     def truncate(self, length):
         """Keep positions [0, length) for reuse and return the length kept. A page that
-        is shared (a prefix-cache entry or a named history holds it too) is never
-        written again: the boundary moves down to its start, and pages past the
-        boundary are let go, so new positions always land in private pages."""
+        is shared (a prefix-cache entry, a named history or a checkpoint holds it
+        too) is never written again: a partly kept shared page is copied into a
+        private one, or, without a copier or a free page, the boundary moves down
+        to its start. Pages past the boundary are let go."""
         size = self.pool.page_size
         keep = length // size
-        if length % size and keep < len(self.pages) and self.pool.refs[self.pages[keep]] == 1:
-            keep += 1
+        if length % size and keep < len(self.pages):
+            page = self.pages[keep]
+            if self.pool.refs[page] > 1 and self.copy is not None and self.pool.available:
+                private = self.pool.alloc(1)[0]
+                self.copy(page, private)
+                self.pool.release([page])
+                self.pages[keep] = private
+            if self.pool.refs[self.pages[keep]] == 1:
+                keep += 1
+            else:
+                length = keep * size
         else:
-            length = keep * size
+            length = min(length, keep * size)
         self.pool.release(self.pages[keep:])
         self.pages = self.pages[:keep]
         self.length = length
@@ -102,3 +118,84 @@ class RowPages:
         self.pool.release(self.pages)
         self.pages = []
         self.length = 0
+
+
+class History:
+    """Retained state outside a row: the tokens whose keys and values `pages` hold
+    and, for text, the sampled token not yet fed back (None for sequences)."""
+
+    __slots__ = ("tokens", "pages", "pending")
+
+    def __init__(self, tokens, pages, pending=None):
+        self.tokens, self.pages, self.pending = list(tokens), list(pages), pending
+
+
+class Checkpoint(History):
+    """A pinned, immutable endpoint. Resident (pages) or suspended (host: one
+    array per paged state, [pages, groups, page_bytes]); borrowers are queued
+    requests that will start from it, which block deletion."""
+
+    __slots__ = ("name", "host", "borrowers", "suspending")
+
+    def __init__(self, name, history):
+        super().__init__(history.tokens, history.pages, history.pending)
+        self.name = name
+        self.host = None
+        self.borrowers = 0
+        self.suspending = None    # callbacks waiting for a snapshot in progress
+
+    @property
+    def host_bytes(self):
+        return sum(a.nbytes for a in self.host) if self.host is not None else 0
+
+
+class PagedState:
+    """Page-level device operations on a deployment's paged state buffers.
+
+    Layout (docs/language.md, `state ... paged(PAGE) [D0, D1, ...]`): each buffer
+    is [D0][pages][PAGE][D1...], so one page is D0 blocks of `page_bytes`, one per
+    outer index (a layer), `pages * page_bytes` apart: rectangular copies move a
+    page in one command per buffer."""
+
+    def __init__(self, queue, buffers):
+        """buffers: (cl.Buffer, groups, page_bytes, pages) per paged state."""
+        self.queue = queue
+        self.buffers = buffers
+        self.uploads = []     # (event, arrays) kept alive until their copy completes
+
+    def copy(self, src, dst):
+        import pyopencl as cl
+        for buf, groups, page_bytes, pages in self.buffers:
+            pitch = (pages * page_bytes, groups * pages * page_bytes)
+            cl.enqueue_copy(self.queue, buf, buf, src_origin=(src * page_bytes, 0, 0),
+                            dst_origin=(dst * page_bytes, 0, 0), region=(page_bytes, groups, 1),
+                            src_pitches=pitch, dst_pitches=pitch)
+
+    def snapshot(self, page_ids):
+        """Enqueue reads of the pages into new host arrays; -> (arrays, last event)."""
+        import pyopencl as cl
+        arrays, event = [], None
+        for buf, groups, page_bytes, pages in self.buffers:
+            host = np.empty((len(page_ids), groups, page_bytes), np.uint8)
+            for i, page in enumerate(page_ids):
+                event = cl.enqueue_copy(self.queue, host[i], buf, buffer_origin=(page * page_bytes, 0, 0),
+                                        host_origin=(0, 0, 0), region=(page_bytes, groups, 1),
+                                        buffer_pitches=(pages * page_bytes, groups * pages * page_bytes),
+                                        host_pitches=(page_bytes, groups * page_bytes), is_blocking=False)
+            arrays.append(host)
+        self.queue.flush()
+        return arrays, event
+
+    def restore(self, arrays, page_ids):
+        """Enqueue writes of a snapshot into (fresh) pages; the arrays stay alive until done."""
+        import pyopencl as cl
+        event = None
+        for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
+            for i, page in enumerate(page_ids):
+                event = cl.enqueue_copy(self.queue, buf, host[i], buffer_origin=(page * page_bytes, 0, 0),
+                                        host_origin=(0, 0, 0), region=(page_bytes, groups, 1),
+                                        buffer_pitches=(pages * page_bytes, groups * pages * page_bytes),
+                                        host_pitches=(page_bytes, groups * page_bytes), is_blocking=False)
+        self.queue.flush()
+        self.uploads = [(e, a) for e, a in self.uploads
+                        if e.command_execution_status != 0] + [(event, arrays)]

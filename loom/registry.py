@@ -55,13 +55,14 @@ DOCUMENT = Obj({
     "session_cache_capacity": _capacity(1 << 16),
     "prefix_cache_capacity": _capacity(1 << 16),
     "checkpoint_capacity": _capacity(1 << 16),
+    "checkpoint_backing": Enum(["fixed", "elastic"], optional=True),
     "variant_capacity": _capacity(1 << 10),
     "options": Obj(None, optional=True),
 })
 
 DEFAULTS = {"admission": "open", "rows": 4, "context_length": 4096, "max_output_tokens": 512,
             "pending_capacity": 32, "session_cache_capacity": 0, "prefix_cache_capacity": 0,
-            "checkpoint_capacity": 0, "variant_capacity": 0}
+            "checkpoint_capacity": 0, "checkpoint_backing": "fixed", "variant_capacity": 0}
 
 
 class Registration:
@@ -454,7 +455,10 @@ class Registry:
 
     def _start(self, reg, job):
         reg.jobs.add(job)
-        self.acquire(reg, job.start)
+        if job.resident:
+            self.acquire(reg, job.start)
+        else:
+            job.start(None)     # control work on retained state: the weights need not be resident
 
     def leave(self, reg, job, acquired):
         """A job is done with the device (its accepted work has retired)."""
@@ -543,6 +547,7 @@ class Job:
     its device work (finish). Endpoints subclass it with their own work."""
 
     what = "request"
+    resident = True     # start() needs the parameters on the device
 
     def __init__(self, server, reg, request):
         self.server, self.reg, self.request = server, reg, request
@@ -555,7 +560,7 @@ class Job:
 
     def start(self, error):
         """The gate let the job through and the parameters are resident (or error)."""
-        self.acquired = error is None
+        self.acquired = error is None and self.resident
         if error is not None or self.gone:
             self.finish(error=error)
             return
@@ -719,7 +724,7 @@ def trim_device(server, request):
 
 PAGE = 64
 PROBES = {"embedding": [("embed", {"T": 1, "S": 1})], "text": [("advance", {"T": 1, "R": 1})],
-          "decision": [("decide", {"T": 2, "S": 2, "G": 1})]}   # geometries compiled when a variant is staged
+          "sequence": [("encode", {"T": 1})], "decision": [("decide", {"T": 2, "S": 2, "G": 1})]}   # geometries compiled when a variant is staged
 STAGE = Obj({"model": Str(min_len=1), "base": Int(lo=0, hi=2**62),
              "base_directory": Str(min_len=1, max_len=4096, optional=True),
              "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64), "wait": Bool(optional=True)})

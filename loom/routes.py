@@ -155,6 +155,10 @@ ROUTES = [
     ("POST", "/v1/chat/completions", text.chat_completions),
     ("POST", "/v1/chat/completions/input_tokens", text.input_tokens),
     ("GET", "/v1/sessions", text.sessions),
+    ("POST", "/v1/sequences", text.sequences),
+    ("POST", "/v1/checkpoints/{name}", text.pin_checkpoint),
+    ("DELETE", "/v1/checkpoints/{name}", text.delete_checkpoint),
+    ("POST", "/v1/checkpoints/{name}/suspend", text.suspend_checkpoint),
     ("POST", "/tokenize", text.tokenize),
     ("POST", "/detokenize", text.detokenize),
 ] + registry.ROUTES

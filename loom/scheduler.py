@@ -13,6 +13,18 @@ keys and values are the next step's context.
 A row whose consumer is not ready (a slow reader) sits out until it is; a
 cancelled sequence leaves at the next step boundary and its pages go back to
 the pool once the step that used them has retired.
+
+Retained state (PROFILES.md "Retained conversations", "Named checkpoints"):
+idle rows keep their conversation for automatic reuse; named histories
+(X-Loom-Session, and sequence handles) live outside rows with their page
+references; the prefix cache shares page-aligned prompt prefixes; checkpoints
+pin an immutable endpoint, which can be suspended into host memory and warmed
+back into fresh pages. Every holder counts references in the page pool, and a
+shared page is never written (kvcache.py).
+
+A sequence engine (stage "encode", kind "sequence") runs known token ids
+without sampling: each step's per-token output bytes go to the sequence's
+on_chunk, and a finished sequence is retained under its handle.
 """
 
 import collections
@@ -21,18 +33,31 @@ import logging
 import numpy as np
 
 from . import runtime
-from .kvcache import OutOfPages, PagePool, RowPages
+from .kvcache import Checkpoint, History, OutOfPages, PagedState, PagePool, RowPages
 
 log = logging.getLogger("loom.scheduler")
+
+
+class Refused(Exception):
+    """A retained-state control the engine cannot do: an HTTP status and code."""
+
+    def __init__(self, status, message, code):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
 
 
 class Sequence:
     """One generation: prompt in, tokens out through callbacks on the loop thread."""
 
-    def __init__(self, prompt, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=(),
-                 on_token=None, on_done=None, ready=None, session=None):
+    def __init__(self, prompt, max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=(),
+                 on_token=None, on_done=None, ready=None, session=None, checkpoint=None, resume=None,
+                 on_chunk=None, on_start=None):
         self.prompt = list(prompt)
         self.session = session    # a named history to continue (X-Loom-Session), best effort
+        self.checkpoint = checkpoint   # a Checkpoint to start from exactly (X-Loom-Checkpoint)
+        self.resume = resume      # a sequence handle's History, claimed at submit: continued exactly
+        self.on_chunk = on_chunk  # sequences: on_chunk(position, ids, output bytes) per step
+        self.on_start = on_start or (lambda: None)   # it has a row: its response can begin
         self.max_tokens = max_tokens
         self.params = (float(temperature), float(top_p), float(top_k), 0.0)
         self.seed = int(seed) & 0xFFFFFFFF ^ (int(seed) >> 32) & 0xFFFFFFFF
@@ -52,32 +77,41 @@ class Sequence:
 
 class TextEngine:
     def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256, session_capacity=0,
-                 prefix_capacity=0):
+                 prefix_capacity=0, checkpoint_capacity=0, elastic=False, stage="advance"):
         self.prepared = prepared
         self.loop = loop
-        self.vocab = prepared.spec("V")
+        self.stage = stage                   # "advance" (text) or "encode" (known-token sequences)
         self.max_pages = prepared.spec("MAX_PAGES")
         self.pool = PagePool(pages, page_size)
+        self.paged = PagedState(prepared.device.queue, _paged_buffers(prepared, pages))
         self.rows = [None] * rows            # the Sequence in each row
-        self.tables = [RowPages(self.pool, self.max_pages) for _ in range(rows)]
+        self.tables = [RowPages(self.pool, self.max_pages, self.paged.copy) for _ in range(rows)]
         self.history = [None] * rows         # idle rows: the tokens whose KV they still hold
         self.idle_since = [0] * rows
         # Named histories: name -> (tokens, pages). They hold page references outside any
         # row, so they survive row reuse; rows + session_capacity of them are kept (LRU).
         self.sessions = collections.OrderedDict()
         self.session_limit = rows + session_capacity
-        self.session_users = set()           # names of sessions a running sequence continues
         # Prefix cache: exact prompt prefixes at page-aligned prefill boundaries -> their pages
         # (shared references: rows extend them into private pages, never write them).
         self.prefixes = collections.OrderedDict()
         self.prefix_capacity = prefix_capacity
+        # Checkpoints: name -> Checkpoint, pinned until deleted (never reclaimed).
+        self.checkpoints = {}
+        self.checkpoint_capacity = checkpoint_capacity
+        self.claimed = set()                 # sequence handles taken by an append not yet finished
+        self.elastic = elastic               # checkpoints may be suspended into host memory
         self.waiting = collections.deque()
         self.chunk = chunk
         self.token_budget = token_budget
         self.busy = False
         self.steps = 0
-        self.sampler = prepared.compiler.compile(prepared.compiler.library_source("sample"), {"V": self.vocab},
-                                                 name="sample")
+        if stage == "advance":
+            self.vocab = prepared.spec("V")
+            self.sampler = prepared.compiler.compile(prepared.compiler.library_source("sample"), {"V": self.vocab},
+                                                     name="sample")
+        else:
+            self.out_bytes = prepared.spec("SEQUENCE_BYTES")
 
     # -- requests ---------------------------------------------------------------
     def submit(self, seq):
@@ -94,9 +128,19 @@ class TextEngine:
         seq.cancelled = True
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self._unborrow(seq)
+            if seq.resume is not None:
+                self.pool.release(seq.resume.pages)   # a cancelled append invalidates its handle
+                seq.resume = None
+            self.claimed.discard(seq.session)
             seq.finish_reason = "cancelled"
             seq.on_done("cancelled")
         self._kick()
+
+    def _unborrow(self, seq):
+        if seq.checkpoint is not None:
+            self.unborrow(seq.checkpoint)
+            seq.checkpoint = None
 
     def stats(self):
         """For /v1/status: what the rows and the KV pool hold right now."""
@@ -104,6 +148,9 @@ class TextEngine:
                 "waiting": len(self.waiting),
                 "idle_conversations": sum(1 for r, h in enumerate(self.history) if self.rows[r] is None and h),
                 "sessions": len(self.sessions), "prefixes": len(self.prefixes),
+                "checkpoints": len(self.checkpoints),
+                "suspended_checkpoints": sum(c.host is not None for c in self.checkpoints.values()),
+                "host_snapshot_bytes": sum(c.host_bytes for c in self.checkpoints.values()),
                 "pages": {"total": self.pool.pages, "free": self.pool.available, "page_size": self.pool.page_size},
                 "steps": self.steps}
 
@@ -120,38 +167,44 @@ class TextEngine:
     def _retire(self, row, reason):
         seq = self.rows[row]
         self.rows[row] = None
-        if seq.session is not None:
-            self.session_users.discard(seq.session)
-        if reason in ("stop", "length") and seq.session is not None and seq.session not in self.session_users:
-            # A named history leaves the row with its pages: it is no candidate for
-            # automatic reuse, and it outlives the row's next occupant.
-            table = self.tables[row]
-            self._drop_session(seq.session)
-            self.sessions[seq.session] = ((seq.prompt + seq.generated)[:table.length], table.pages)
+        self.claimed.discard(seq.session)
+        table = self.tables[row]
+        if reason in ("stop", "length") and seq.session is not None:
+            # A named history (or sequence handle) leaves the row with its pages: it is no
+            # candidate for automatic reuse, and it outlives the row's next occupant.
+            full = seq.prompt + seq.generated
+            pending = full[table.length] if len(full) > table.length else None
+            self.retain(seq.session, History(full[:table.length], table.pages, pending))
             table.pages, table.length = [], 0
-            while len(self.sessions) > self.session_limit:
-                self._drop_session(next(iter(self.sessions)))
         elif reason in ("stop", "length"):
             # The row stays idle with its conversation's keys and values: an untagged
             # request that continues it exactly reuses them (automatic row reuse).
-            self.history[row] = (seq.prompt + seq.generated)[:self.tables[row].length]
+            self.history[row] = (seq.prompt + seq.generated)[:table.length]
             self.idle_since[row] = self.steps
         else:
-            self.tables[row].clear()
+            table.clear()
         seq.finish_reason = reason
         seq.row = None
         seq.on_done(reason)   # "cancelled" too: its owner releases what it holds
 
+    def _free_row(self):
+        free = [r for r in range(len(self.rows)) if self.rows[r] is None]
+        return min(free, key=lambda r: (bool(self.history[r]), self.idle_since[r]))
+
     def _admit(self):
-        """Give waiting sequences rows: the idle row holding the longest exact prefix of
-        the prompt (its positions are not computed again), else an empty row, else the
+        """Give waiting sequences rows. A checkpoint or a sequence handle starts the row
+        from exactly its pages; a named session continues its history if the prompt
+        extends it; otherwise the idle row holding the longest exact prefix of the
+        prompt (its positions are not computed again), else an empty row, else the
         least recently used idle row."""
         while self.waiting and None in self.rows:
             seq = self.waiting.popleft()
+            if seq.checkpoint is not None or seq.resume is not None:
+                self._start_exact(seq)
+                continue
             best, best_len = None, 0
             if seq.session is not None:
-                best_len = self._continue_session(seq)
-                if best_len:
+                if self._continue_session(seq):
                     continue
             else:
                 for row, history in enumerate(self.history):
@@ -160,9 +213,7 @@ class TextEngine:
                         if n > best_len:
                             best, best_len = row, n
             if best is None:
-                free = [r for r in range(len(self.rows)) if self.rows[r] is None]
-                best = min(free, key=lambda r: (bool(self.history[r]), self.idle_since[r]))
-                best_len = 0
+                best, best_len = self._free_row(), 0
             # At least the prompt's last token is computed again: its logits start generation.
             reuse = min(best_len, len(seq.prompt) - 1)
             table = self.tables[best]
@@ -178,36 +229,173 @@ class TextEngine:
                 table.clear()
             else:
                 reuse = table.truncate(reuse)
-            self.history[best] = None
-            seq.fed = seq.cached = reuse
-            seq.row = best
-            self.rows[best] = seq
-            if seq.session is not None:
-                self.session_users.add(seq.session)
+            self._place(seq, best, reuse)
+
+    def _place(self, seq, row, reuse):
+        self.history[row] = None
+        seq.fed = seq.cached = reuse
+        seq.row = row
+        self.rows[row] = seq
+        seq.on_start()
+
+    def _start_exact(self, seq):
+        """Start from a checkpoint (fork or rewind) or a sequence handle's retained pages.
+        A suspended checkpoint is warmed back into fresh pages first; if the pool cannot
+        hold it the request is refused and the destination session keeps its state."""
+        cp = seq.checkpoint
+        source = seq.resume
+        if cp is not None:
+            if cp.pages is None and not self._warm(cp, keep=seq.session):
+                self._unborrow(seq)
+                seq.finish_reason = "refused"
+                seq.on_done("refused")
+                return
+            source = cp
+            self.pool.share(cp.pages)
+            self._unborrow(seq)
+            if seq.session is not None and seq.session in self.sessions:
+                self._drop_session(seq.session)   # the same session rewinds; another one forks
+        seq.resume = None
+        row = self._free_row()
+        table = self.tables[row]
+        table.clear()
+        table.pages, table.length = list(source.pages), len(source.tokens)
+        # Text computes the prompt's last token again for its logits; sequences feed only new ids.
+        keep = len(source.tokens) if self.stage == "encode" else min(len(source.tokens), len(seq.prompt) - 1)
+        self._place(seq, row, table.truncate(keep))
+
+    def _warm(self, cp, keep=None):
+        """Bring a suspended checkpoint back into new pages (reclaiming idle caches, but
+        not the destination session `keep`); False if the pool cannot hold it."""
+        n = len(cp.host[0]) if cp.host else 0
+        while self.pool.available < n and self._reclaim(keep):
+            pass
+        if self.pool.available < n:
+            return False
+        pages = self.pool.alloc(n)
+        self.paged.restore(cp.host, pages)
+        cp.pages, cp.host = pages, None
+        return True
 
     def _continue_session(self, seq):
         """Put a named history back in a row if the prompt extends it; 0 if it cannot
         (absent, evicted, in use, or edited): then the caller replays the full history."""
         saved = self.sessions.get(seq.session)
-        if saved is None or seq.session in self.session_users:
+        if saved is None:
             return 0
-        tokens, pages = saved
-        reuse = min(_common_prefix(tokens, seq.prompt), len(seq.prompt) - 1)
+        reuse = min(_common_prefix(saved.tokens, seq.prompt), len(seq.prompt) - 1)
         if reuse == 0:
             return 0
-        free = [r for r in range(len(self.rows)) if self.rows[r] is None]
-        row = min(free, key=lambda r: (bool(self.history[r]), self.idle_since[r]))
+        row = self._free_row()
         table = self.tables[row]
         table.clear()
-        self.history[row] = None
         del self.sessions[seq.session]
-        table.pages = pages                        # the row takes over the session's page references
-        reuse = table.truncate(reuse)
-        seq.fed = seq.cached = reuse
-        seq.row = row
-        self.rows[row] = seq
-        self.session_users.add(seq.session)
-        return reuse
+        table.pages, table.length = saved.pages, len(saved.tokens)   # the row takes over the references
+        self._place(seq, row, table.truncate(reuse))
+        seq.cached = seq.fed
+        return max(seq.fed, 1)
+
+    # -- retained state: sessions, handles and checkpoints -------------------------
+    def busy_session(self, name):
+        """A running or queued request continues this named history or handle."""
+        return name in self.claimed or any(s is not None and s.session == name for s in self.rows) or \
+            any(s.session == name for s in self.waiting)
+
+    def claim(self, handle, position):
+        """A sequence append: take handle's retained history out of the cache so nothing
+        evicts it while the append waits. -> History; KeyError if absent (evicted,
+        invalidated), ValueError if busy or `position` is not its completed position."""
+        if self.busy_session(handle):
+            raise ValueError(f"sequence {handle} is in use by another request")
+        saved = self.sessions.get(handle)
+        if saved is None:
+            raise KeyError(handle)
+        if position != len(saved.tokens):
+            raise ValueError(f"position {position} is stale: sequence {handle} has completed "
+                             f"{len(saved.tokens)} tokens")
+        self.claimed.add(handle)
+        return self.sessions.pop(handle)
+
+    def unclaim(self, handle, history):
+        """An append that never reached a row gives its handle back, unchanged."""
+        self.claimed.discard(handle)
+        self.retain(handle, history)
+
+    def retain(self, name, history):
+        self._drop_session(name)
+        self.sessions[name] = history
+        while len(self.sessions) > self.session_limit:
+            self._drop_session(next(iter(self.sessions)))
+
+    def borrow(self, name):
+        """A request will start from checkpoint `name`: it cannot be deleted meanwhile."""
+        cp = self.checkpoints.get(name)
+        if cp is None:
+            raise Refused(404, f"no checkpoint {name!r}", "checkpoint_not_found")
+        cp.borrowers += 1
+        return cp
+
+    def unborrow(self, cp):
+        cp.borrowers -= 1
+
+    def pin(self, name, session):
+        """Pin an idle completed session (or sequence handle) as checkpoint `name`.
+        Raises Refused(404 | 409 | 503)."""
+        if name in self.checkpoints:
+            raise Refused(409, f"checkpoint {name!r} already exists", "checkpoint_exists")
+        if self.busy_session(session):
+            raise Refused(409, f"session {session!r} is busy", "session_busy")
+        saved = self.sessions.get(session)
+        if saved is None:
+            raise Refused(404, f"no retained session {session!r}", "session_not_found")
+        if len(self.checkpoints) >= self.checkpoint_capacity:
+            raise Refused(503, f"all {self.checkpoint_capacity} checkpoints are pinned", "checkpoint_capacity")
+        self.pool.share(saved.pages)
+        cp = self.checkpoints[name] = Checkpoint(name, saved)
+        return cp
+
+    def suspend(self, name, done):
+        """Park a checkpoint in host memory: its pages are read back (on a worker) and
+        released; done(checkpoint, error) on the loop. Live branches keep their pages."""
+        cp = self.checkpoints.get(name)
+        if cp is None:
+            raise Refused(404, f"no checkpoint {name!r}", "checkpoint_not_found")
+        if not self.elastic:
+            raise Refused(400, "this deployment's checkpoints have fixed backing; they cannot be suspended",
+                          "fixed_backing")
+        if cp.host is not None:
+            done(cp, None)
+            return
+        if cp.suspending is not None:
+            cp.suspending.append(done)
+            return
+        cp.suspending = [done]
+        arrays, event = self.paged.snapshot(cp.pages)
+
+        def read(_, error):
+            waiters, cp.suspending = cp.suspending, None
+            if error is None and self.checkpoints.get(name) is cp:
+                self.pool.release(cp.pages)
+                cp.pages, cp.host = None, arrays
+            elif error is None:
+                error = Refused(404, f"checkpoint {name!r} was deleted while suspending", "checkpoint_not_found")
+            for fn in waiters:
+                fn(cp, error)
+
+        self.loop.run_in_executor(lambda: event.wait() if event is not None else None, read)
+
+    def delete(self, name):
+        cp = self.checkpoints.get(name)
+        if cp is None:
+            raise Refused(404, f"no checkpoint {name!r}", "checkpoint_not_found")
+        if cp.borrowers:
+            raise Refused(409, f"checkpoint {name!r} has {cp.borrowers} queued requests starting from it",
+                          "checkpoint_borrowed")
+        del self.checkpoints[name]
+        if cp.pages is not None:
+            self.pool.release(cp.pages)   # a snapshot in progress reads before any later write
+            cp.pages = None
+        cp.host = None
 
     def _longest_prefix(self, prompt):
         """The longest cached prefix of prompt (leaving its last token to compute)."""
@@ -248,19 +436,21 @@ class TextEngine:
     def _drop_session(self, name):
         saved = self.sessions.pop(name, None)
         if saved is not None:
-            self.pool.release(saved[1])
+            self.pool.release(saved.pages)
+
     def release_idle(self):
         """Drop every idle row's retained conversation and every named history (trim)."""
         while self._reclaim():
             pass
 
-    def _reclaim(self):
+    def _reclaim(self, keep=None):
         """Free the least recently used idle row's pages, else the least recently used
-        named history's; False when nothing is left to reclaim."""
+        named history's (other than `keep`), else a prefix; False when nothing is left."""
         idle = [r for r in range(len(self.rows)) if self.rows[r] is None and self.history[r]]
         if not idle:
-            if self.sessions:
-                self._drop_session(next(iter(self.sessions)))
+            victim = next((name for name in self.sessions if name != keep), None)
+            if victim is not None:
+                self._drop_session(victim)
                 return True
             if self.prefixes:
                 self.pool.release(self.prefixes.popitem(last=False)[1])
@@ -280,8 +470,10 @@ class TextEngine:
         for row, seq in enumerate(self.rows):
             if seq is None or budget <= 0:
                 continue
-            if seq.fed < len(seq.prompt):
+            if seq.fed < len(seq.prompt) and (self.stage == "advance" or seq.ready()):
                 ids = seq.prompt[seq.fed:seq.fed + min(self.chunk, budget)]
+            elif self.stage == "encode":
+                continue                              # sequences: a slow reader's row sits out
             elif seq.pending is not None and seq.ready():
                 ids = [seq.pending]
             else:
@@ -307,6 +499,9 @@ class TextEngine:
         self._run(work)
 
     def _run(self, work):
+        if self.stage == "encode":
+            self._run_encode(work)
+            return
         tokens, pos, row_of, last = [], [], [], []
         for row, ids in work:
             start = self.tables[row].length
@@ -329,6 +524,23 @@ class TextEngine:
                           {"logits": (np.float32, R * self.vocab)},
                           lambda values, error: self._stepped(work, values, error),
                           after=lambda buffers, finish: self._sample(buffers, R, params, seeds, finish))
+
+    def _run_encode(self, work):
+        """A cohort of known ids: keys and values into the rows' pages, and each token's
+        output bytes (captured in a step buffer before scratch is reused) back to the host."""
+        tokens, pos, row_of = [], [], []
+        for i, (row, ids) in enumerate(work):
+            start = self.tables[row].length
+            tokens += ids
+            pos += range(start, start + len(ids))
+            row_of += [i] * len(ids)
+        tables = np.stack([self.tables[row].table() for row, _ in work])
+        inputs = {"tokens": np.array(tokens, np.int32), "pos": np.array(pos, np.int32),
+                  "row_of": np.array(row_of, np.int32), "pages": tables.ravel()}
+        self.steps += 1
+        runtime.run_stage(self.prepared, self.loop, "encode", {"T": len(tokens)}, inputs,
+                          {"out": (np.uint8, len(tokens) * self.out_bytes)},
+                          lambda values, error: self._stepped(work, values, error))
 
     def _sample(self, buffers, R, params, seeds, done):
         """Runs after `advance` on the same in-order queue: logits -> token ids on the device."""
@@ -363,6 +575,9 @@ class TextEngine:
             self.busy = False
             self._kick()
             return
+        if self.stage == "encode":
+            self._encoded(work, values["out"])
+            return
         ids = values["ids"]
         for i, (row, fed) in enumerate(work):
             seq = self.rows[row]
@@ -387,6 +602,37 @@ class TextEngine:
                 seq.pending = token
         self.busy = False
         self._kick()
+
+
+    def _encoded(self, work, out):
+        offset = 0
+        for row, fed in work:
+            seq = self.rows[row]
+            start = self.tables[row].length
+            self.tables[row].length += len(fed)
+            data = out[offset * self.out_bytes:(offset + len(fed)) * self.out_bytes]
+            offset += len(fed)
+            if seq is None:
+                continue
+            seq.fed += len(fed)
+            if not seq.cancelled:
+                seq.on_chunk(start, fed, data.tobytes())
+            if seq.fed == len(seq.prompt) and not seq.cancelled:
+                self._retire(row, "stop")
+        self.busy = False
+        self._kick()
+
+
+def _paged_buffers(prepared, pages):
+    """(buffer, groups, page_bytes, pages) for each paged state (kvcache.PagedState)."""
+    out = []
+    for state in prepared.binding.states.values():
+        if state.page:
+            itemsize = 2 if state.dtype == "f16" else 4
+            inner = int(np.prod(state.dims[1:], dtype=np.int64)) if len(state.dims) > 1 else 1
+            groups = state.dims[0] if state.dims else 1
+            out.append((prepared.states[state.name].buffer, groups, state.page * inner * itemsize, pages))
+    return out
 
 
 def _common_prefix(a, b):

@@ -6,10 +6,16 @@ admission gate, and keep the prepared deployment (and so its tokenizer)
 borrowed until the work has actually finished.
 """
 
+import base64
 import re
+import secrets
+import time
 
-from .http import Deferred, HTTPError, Response
-from .jsonin import Arr, Bool, Int, Obj, Str
+from . import registry
+from .chat import ChatPolicy, ToolCallError
+from .http import Deferred, HTTPError, Response, Stream, sse_event
+from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
+from .scheduler import Refused, Sequence, TextEngine
 
 MAX_TOKENS = 262144
 MAX_TEXT_BYTES = 1 << 20
@@ -89,14 +95,6 @@ def detokenize(server, request):
 
 # -- POST /v1/chat/completions -------------------------------------------------------
 
-import time  # noqa: E402
-
-
-from . import registry  # noqa: E402
-from .chat import ChatPolicy, ToolCallError  # noqa: E402
-from .http import Stream, sse_event  # noqa: E402
-from .jsonin import Enum, Num, OneOf  # noqa: E402
-from .scheduler import Sequence, TextEngine  # noqa: E402
 
 TEXT_PART = Obj({"type": Enum(["text"]), "text": Str()})
 CONTENT = OneOf(Str(), Arr(TEXT_PART, min_len=1))
@@ -193,21 +191,41 @@ def _validated(server, request):
 SESSION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+def _name_header(request, header):
+    value = request.header(header.lower())
+    if value is not None and not SESSION_NAME.fullmatch(value):
+        raise HTTPError(400, f"{header} names are 1-64 ASCII letters, digits, '_', '.' or '-'", "invalid_header",
+                        header)
+    return value
+
+
+def _refused(e):
+    return HTTPError(e.status, e.message, e.code)
+
+
 def chat_completions(server, request):
-    session = request.header("x-loom-session")
-    if session is not None and not SESSION_NAME.fullmatch(session):
-        raise HTTPError(400, "X-Loom-Session names are 1-64 ASCII letters, digits, '_', '.' or '-'",
-                        "invalid_header", "X-Loom-Session")
+    session = _name_header(request, "X-Loom-Session")
+    checkpoint = _name_header(request, "X-Loom-Checkpoint")
     body, reg, policy, prompt = _validated(server, request)
     stream = bool(body.get("stream"))
     choice = body.get("tool_choice", "auto")
     temperature, top_p, top_k = _sampling(policy, body)
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or reg.doc["max_output_tokens"]
+    cp = None
+    if checkpoint is not None:
+        try:
+            cp = engine(server, reg).borrow(checkpoint)   # an unknown name is 404 at once
+        except Refused as e:
+            raise _refused(e) from None
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
-                  body.get("enable_thinking"), choice != "none", session)
-    server.registry.enter(reg, job)
-    return job.stream if stream else job.deferred
+                  body.get("enable_thinking"), choice != "none", session, cp)
+    try:
+        server.registry.enter(reg, job)
+    except HTTPError:
+        job.release_borrow()
+        raise
+    return job.deferred
 
 
 def input_tokens(server, request):
@@ -245,7 +263,10 @@ def engine(server, reg):
         options = reg.prepared.binding.options
         reg.engine = TextEngine(reg.prepared, server.loop, rows=reg.doc["rows"], pages=options["pages"],
                                 page_size=options["page_size"], session_capacity=reg.doc["session_cache_capacity"],
-                                prefix_capacity=reg.doc["prefix_cache_capacity"])
+                                prefix_capacity=reg.doc["prefix_cache_capacity"],
+                                checkpoint_capacity=reg.doc["checkpoint_capacity"],
+                                elastic=reg.doc["checkpoint_backing"] == "elastic",
+                                stage="encode" if reg.kind == "sequence" else "advance")
     return reg.engine
 
 
@@ -253,9 +274,10 @@ class ChatJob(registry.Job):
     what = "chat completion"
 
     def __init__(self, server, reg, request, policy, prompt, limit, sampling, stream, include_usage, thinking,
-                 tools_allowed, session=None):
+                 tools_allowed, session=None, checkpoint=None):
         super().__init__(server, reg, request)
         self.session = session
+        self.checkpoint = checkpoint      # borrowed: released when the engine takes it, or on failure
         self.policy, self.prompt_text, self.limit, self.sampling = policy, prompt, limit, sampling
         self.include_usage = include_usage
         self.parser = policy.parser(thinking, tools_allowed)
@@ -263,11 +285,13 @@ class ChatJob(registry.Job):
         self.created = int(time.time())
         self.seq = None
         self.content, self.reasoning = [], []
-        self.stream = None
-        if stream:
-            self.stream = Stream()
-            self.stream.on_close = lambda reason: self.cancelled()
-            self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
+        self.streaming = stream
+        self.stream = None                # handed to the client once the request has a row
+
+    def release_borrow(self):
+        if self.checkpoint is not None:
+            engine(self.server, self.reg).unborrow(self.checkpoint)
+            self.checkpoint = None
 
     def run(self):
         tok = self.reg.prepared.tokenizer
@@ -283,6 +307,12 @@ class ChatJob(registry.Job):
                                              f"exceeds the context length {context}", "context_length_exceeded",
                                         "messages"))
             return
+        cp = self.checkpoint
+        if cp is not None and ids[:len(cp.tokens)] != cp.tokens:
+            self.finish(error=HTTPError(400, f"the conversation does not extend checkpoint {cp.name!r}: its "
+                                             f"{len(cp.tokens)} consumed tokens differ from the rendered history",
+                                        "history_mismatch", "messages"))
+            return
         tok = self.reg.prepared.tokenizer
         stop_ids = {tok.special[s] for s in self.policy.stop if s in tok.special}
         if tok.eos_id is not None:
@@ -292,10 +322,19 @@ class ChatJob(registry.Job):
         self.stop_ids = stop_ids
         temperature, top_p, top_k, seed = self.sampling
         self.seq = Sequence(ids, self.limit, temperature, top_p, top_k, seed, stop_ids, self.on_token, self.on_done,
-                            ready=(lambda: self.stream.ready) if self.stream else None, session=self.session)
-        if self.stream:
-            self.send({"role": "assistant", "content": ""})
+                            ready=lambda: self.stream is None or self.stream.ready, session=self.session,
+                            checkpoint=cp, on_start=self.on_start)
+        self.checkpoint = None            # the engine owns the borrow now
         engine(self.server, self.reg).submit(self.seq)
+
+    def on_start(self):
+        """The request has a row: a streamed response begins (errors before this are HTTP statuses)."""
+        if self.streaming and self.stream is None and not self.gone:
+            self.stream = Stream()
+            self.stream.on_close = lambda reason: self.cancelled()
+            self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
+            self.deferred.resolve(self.stream)
+            self.send({"role": "assistant", "content": ""})
 
     def send(self, delta, finish_reason=None):
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.reg.name,
@@ -328,6 +367,10 @@ class ChatJob(registry.Job):
             return
         if reason == "error":
             self.finish(error=HTTPError(500, f"generation failed: {self.seq.error}", "execution_failed"))
+            return
+        if reason == "refused":
+            self.finish(error=HTTPError(503, "the KV pool cannot hold the checkpoint's pages right now",
+                                        "checkpoint_restore_refused", "X-Loom-Checkpoint"))
             return
         try:
             self.publish(self.parser.feed(self.detok.flush()) + self.parser.close())
@@ -365,6 +408,7 @@ class ChatJob(registry.Job):
 
     def cancelled(self):
         super().cancelled()
+        self.release_borrow()
         if self.seq is not None:
             engine(self.server, self.reg).cancel(self.seq)
 
@@ -373,6 +417,7 @@ class ChatJob(registry.Job):
         streaming); the step in flight retires before the row is let go."""
         if self.gone:
             return
+        self.release_borrow()
         if self.seq is not None:
             engine(self.server, self.reg).cancel(self.seq)
         if self.stream is None:
@@ -384,6 +429,7 @@ class ChatJob(registry.Job):
         self.stream.finish()
 
     def finish(self, response=None, error=None):
+        self.release_borrow()
         if self.stream is not None and error is not None and not self.gone:
             err = error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed")
             self.stream.send(sse_event({"error": {"message": err.message, "type": "server_error", "param": err.param,
@@ -394,24 +440,300 @@ class ChatJob(registry.Job):
 
 
 def sessions(server, request):
-    """GET /v1/sessions: named histories held by text deployments, a bounded page at a time."""
+    """GET /v1/sessions: named histories, sequence handles and checkpoints held by text and
+    sequence deployments, a bounded page at a time."""
     request.require_empty_body()
     params = request.params({"offset", "limit"})
     offset = request.int_param(params, "offset", 0, 0, 2**63 - 1)
     limit = request.int_param(params, "limit", 50, 1, 100)
-    texts = [reg for reg in server.registry.registrations.values() if reg.kind == "text" and not reg.removing]
-    if not texts:
-        raise HTTPError(501, "no text deployment retains sessions here", "not_implemented")
+    retaining = [reg for reg in server.registry.registrations.values()
+                 if reg.kind in ("text", "sequence") and not reg.removing]
+    if not retaining:
+        raise HTTPError(501, "no text or sequence deployment retains sessions here", "not_implemented")
     rows = []
-    for reg in texts:
+    for reg in retaining:
         eng = getattr(reg, "engine", None)
-        for name, (tokens, pages) in (eng.sessions.items() if eng is not None else ()):
-            rows.append({"model": reg.name, "session": name, "tokens": len(tokens), "pages": len(pages),
-                         "state": "idle"})
-        for seq in (eng.rows if eng is not None else ()):
+        if eng is None:
+            continue
+        kind = "sequence" if reg.kind == "sequence" else "session"
+        for name, saved in eng.sessions.items():
+            rows.append({"model": reg.name, "type": kind, "session": name, "position": len(saved.tokens),
+                         "pages": len(saved.pages), "state": "idle"})
+        for seq in eng.rows:
             if seq is not None and seq.session is not None:
-                rows.append({"model": reg.name, "session": seq.session, "tokens": len(seq.prompt),
-                             "pages": len(eng.tables[seq.row].pages), "state": "active"})
+                rows.append({"model": reg.name, "type": kind, "session": seq.session,
+                             "position": eng.tables[seq.row].length, "pages": len(eng.tables[seq.row].pages),
+                             "state": "active"})
+        for cp in eng.checkpoints.values():
+            rows.append({"model": reg.name, "type": "checkpoint", "checkpoint": cp.name, "position": len(cp.tokens),
+                         "pages": len(cp.pages or ()), "host_snapshot_bytes": cp.host_bytes,
+                         "state": "suspended" if cp.host is not None else "pinned"})
     page = rows[offset:offset + limit]
     return Response.json({"object": "list", "data": page, "offset": offset, "total": len(rows),
                           "next_offset": offset + len(page) if offset + len(page) < len(rows) else None})
+
+
+# -- named checkpoints: POST/DELETE /v1/checkpoints/NAME, POST .../suspend ------------------
+
+
+def _retaining(server, request, name):
+    """The deployment a checkpoint control selects (X-Loom-Model; optional with exactly
+    one deployment), which must be prepared and have checkpoint capacity."""
+    request.require_empty_body()
+    if not SESSION_NAME.fullmatch(name):
+        raise HTTPError(400, "checkpoint names are 1-64 ASCII letters, digits, '_', '.' or '-'", "invalid_value",
+                        "name")
+    model = request.header("x-loom-model")
+    live = [r for r in server.registry.registrations.values() if not r.removing]
+    if model is None:
+        if len(live) != 1:
+            raise HTTPError(400, "X-Loom-Model selects the deployment (it may be omitted only when exactly one "
+                                 "is registered)", "missing_header", "X-Loom-Model")
+        reg = live[0]
+    else:
+        reg = server.registry.registrations.get(model)
+        if reg is None or reg.removing:
+            raise HTTPError(404, f"model {model!r} does not exist", "model_not_found", "X-Loom-Model")
+    if reg.kind not in ("text", "sequence") or not reg.doc["checkpoint_capacity"]:
+        raise HTTPError(501, f"model {reg.name!r} has no checkpoint capacity", "checkpoints_disabled", "X-Loom-Model")
+    if reg.phase != "ready" or reg.prepared is None:
+        raise HTTPError(404, f"model {reg.name!r} is not prepared", "model_not_prepared", "X-Loom-Model")
+    request.model = reg.name
+    return reg
+
+
+def _checkpoint_view(reg, cp, **extra):
+    return dict({"object": "checkpoint", "model": reg.name, "checkpoint": cp.name, "position": len(cp.tokens),
+                 "pending_token": cp.pending, "suspended": cp.host is not None,
+                 "host_snapshot_bytes": cp.host_bytes}, **extra)
+
+
+class ControlJob(registry.Job):
+    """Pin or suspend: waits for admission to reopen, and once accepted it completes
+    even if the client leaves."""
+
+    what = "checkpoint control"
+    resident = False
+
+    def __init__(self, server, reg, request, work):
+        super().__init__(server, reg, request)
+        self.work = work
+
+    def run(self):
+        try:
+            self.work(self)
+        except Refused as e:
+            self.finish(error=_refused(e))
+
+    def cancelled(self):
+        self.gone = True   # not withdrawn: accepted control work still happens
+
+
+def pin_checkpoint(server, request, name):
+    reg = _retaining(server, request, name)
+    session = _name_header(request, "X-Loom-Session")
+    if session is None:
+        raise HTTPError(400, "X-Loom-Session names the completed session to pin", "missing_header", "X-Loom-Session")
+
+    def pin(job):
+        cp = engine(server, reg).pin(name, session)
+        job.finish(Response.json(_checkpoint_view(reg, cp, session=session), status=201))
+
+    return _control(server, reg, request, pin)
+
+
+def suspend_checkpoint(server, request, name):
+    reg = _retaining(server, request, name)
+    if reg.doc["checkpoint_backing"] != "elastic":
+        raise HTTPError(400, f"model {reg.name!r} has fixed checkpoint backing; suspension needs elastic backing",
+                        "fixed_backing", "X-Loom-Model")
+
+    def suspend(job):
+        def done(cp, error):
+            if error is not None:
+                job.finish(error=_refused(error) if isinstance(error, Refused) else error)
+            else:
+                job.finish(Response.json(_checkpoint_view(reg, cp)))
+        engine(server, reg).suspend(name, done)
+
+    return _control(server, reg, request, suspend)
+
+
+def _control(server, reg, request, work):
+    job = ControlJob(server, reg, request, work)
+    server.registry.enter(reg, job)
+    return job.deferred
+
+
+def delete_checkpoint(server, request, name):
+    """Allowed while admission is drained: releasing a pin never waits for inference."""
+    reg = _retaining(server, request, name)
+    try:
+        engine(server, reg).delete(name)
+    except Refused as e:
+        raise _refused(e) from None
+    return Response.json({"object": "checkpoint", "model": reg.name, "checkpoint": name, "deleted": True})
+
+
+# -- POST /v1/sequences ----------------------------------------------------------------
+
+
+HANDLE = re.compile(r"[0-9a-f]{32}")
+SEQUENCE = Obj({"model": Str(min_len=1), "session": Str(optional=True), "position": Int(lo=0, hi=2**31 - 1),
+                "token_ids": Arr(Int(lo=0, hi=2**31 - 1), min_len=1, max_len=MAX_TOKENS),
+                "options": Obj(None, optional=True)})
+
+
+def sequences(server, request):
+    """Known token ids through a sequence deployment: SSE attached, chunk per execution
+    cohort, done. A handle continues at its exact completed position."""
+    if request.header("x-loom-session") is not None:
+        raise HTTPError(400, "X-Loom-Session is not accepted here: the session body field is the handle",
+                        "unsupported_header", "X-Loom-Session")
+    checkpoint = _name_header(request, "X-Loom-Checkpoint")
+    body = request.json(SEQUENCE)
+    reg = server.registry.admit(body["model"], "sequence")
+    request.model = reg.name
+    declared = ((reg.prepared.policy or {}).get("sequence") or {}).get("options", [])
+    unknown = sorted(set(body.get("options") or {}) - set(declared))
+    if unknown:
+        raise HTTPError(400, f"options {', '.join(unknown)} are not declared by this model's source",
+                        "unknown_field", f"options.{unknown[0]}")
+    ids, position, handle = body["token_ids"], body["position"], body.get("session")
+    vocab = reg.prepared.spec("V")
+    bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
+    if bad is not None:
+        raise HTTPError(400, f"token id {ids[bad]} is outside the vocabulary (size {vocab})", "invalid_value",
+                        f"token_ids[{bad}]")
+    if handle is not None and not HANDLE.fullmatch(handle):
+        raise HTTPError(400, "session is a 32-hex handle issued by this endpoint", "invalid_value", "session")
+    if handle is not None and checkpoint is not None:
+        raise HTTPError(400, "a fork from X-Loom-Checkpoint omits session: it receives a new handle",
+                        "invalid_value", "session")
+    context = reg.doc["context_length"]
+    if position + len(ids) > context:
+        raise HTTPError(400, f"position {position} plus {len(ids)} ids exceeds the context length {context}",
+                        "context_length_exceeded", "token_ids")
+    eng = engine(server, reg)
+    if eng.pool.pages_for(position + len(ids)) > eng.pool.pages:
+        raise HTTPError(503, f"{position + len(ids)} positions exceed the KV pool", "kv_pool_exhausted", "token_ids")
+    resume = cp = None
+    try:
+        if handle is not None:
+            try:
+                resume = eng.claim(handle, position)
+            except KeyError:
+                raise HTTPError(404, f"sequence {handle} does not exist (evicted, unregistered or invalidated)",
+                                "session_not_found", "session") from None
+            except ValueError as e:
+                raise HTTPError(409, str(e), "sequence_conflict", "position") from None
+            base = resume.tokens
+        elif checkpoint is not None:
+            cp = eng.borrow(checkpoint)
+            base = cp.tokens
+            if position != len(base):
+                eng.unborrow(cp)
+                raise HTTPError(409, f"position {position} is not checkpoint {checkpoint!r}'s consumed position "
+                                     f"{len(base)}", "stale_position", "position")
+        else:
+            base = []
+            if position != 0:
+                raise HTTPError(409, f"position {position} is stale: a new sequence starts at 0", "stale_position",
+                                "position")
+    except Refused as e:
+        raise _refused(e) from None
+    job = SequenceJob(server, reg, request, handle or secrets.token_hex(16), base, ids, resume, cp)
+    try:
+        server.registry.enter(reg, job)
+    except HTTPError:
+        job.give_back()
+        raise
+    return job.deferred
+
+
+class SequenceJob(registry.Job):
+    what = "sequence"
+
+    def __init__(self, server, reg, request, handle, base, ids, resume, checkpoint):
+        super().__init__(server, reg, request)
+        self.handle, self.base, self.ids = handle, list(base), ids
+        self.resume, self.checkpoint = resume, checkpoint
+        self.seq = None
+        self.stream = None
+
+    def give_back(self):
+        """Never submitted: the claimed handle returns unchanged, the checkpoint unborrowed."""
+        eng = engine(self.server, self.reg)
+        if self.resume is not None:
+            eng.unclaim(self.handle, self.resume)
+            self.resume = None
+        if self.checkpoint is not None:
+            eng.unborrow(self.checkpoint)
+            self.checkpoint = None
+
+    def run(self):
+        self.seq = Sequence(self.base + self.ids, session=self.handle, resume=self.resume,
+                            checkpoint=self.checkpoint, on_chunk=self.on_chunk, on_done=self.on_done,
+                            on_start=self.on_start, ready=lambda: self.stream is None or self.stream.ready)
+        self.resume = self.checkpoint = None     # the engine owns them now
+        engine(self.server, self.reg).submit(self.seq)
+
+    def on_start(self):
+        if self.gone:
+            return
+        self.stream = Stream()
+        self.stream.on_close = lambda reason: self.cancelled()
+        self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
+        self.deferred.resolve(self.stream)
+        self.stream.send(sse_event({"session": self.handle, "position": len(self.base)}, event="attached"))
+
+    def on_chunk(self, position, ids, data):
+        self.stream.send(sse_event({"session": self.handle, "position": position,
+                                    "next_position": position + len(ids), "token_ids": list(ids),
+                                    "encoding": "base64", "data": base64.b64encode(data).decode()}, event="chunk"))
+
+    def on_done(self, reason):
+        if reason == "refused":
+            self.finish(error=HTTPError(503, "the KV pool cannot hold the checkpoint's pages right now",
+                                        "checkpoint_restore_refused", "X-Loom-Checkpoint"))
+        elif reason == "stop" and not self.gone:
+            self.stream.send(sse_event({"session": self.handle, "position": len(self.seq.prompt)}, event="done"))
+            self.stream.finish()
+            self.finish()
+        elif reason == "error" and not self.gone:
+            self.finish(error=HTTPError(500, f"sequence step failed: {self.seq.error}", "execution_failed"))
+        else:
+            self.finish()
+
+    def cancelled(self):
+        super().cancelled()
+        if self.seq is None:
+            self.give_back()
+        else:
+            engine(self.server, self.reg).cancel(self.seq)
+
+    def fail(self, error):
+        if self.gone:
+            return
+        if self.seq is None:
+            self.give_back()
+        else:
+            engine(self.server, self.reg).cancel(self.seq)
+        if self.stream is None:
+            super().fail(error)
+            return
+        self.gone = True
+        self.stream.send(sse_event({"error": {"message": error.message, "type": "gone_error", "param": error.param,
+                                              "code": error.code}}, event="error"))
+        self.stream.finish()
+
+    def finish(self, response=None, error=None):
+        if self.seq is None and self.resume is not None or self.checkpoint is not None:
+            self.give_back()
+        if self.stream is not None and error is not None and not self.gone:
+            err = error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed")
+            self.stream.send(sse_event({"error": {"message": err.message, "type": "server_error", "param": err.param,
+                                                  "code": err.code}}, event="error"))
+            self.stream.finish()
+            error = None
+        super().finish(response, error)
