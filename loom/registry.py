@@ -119,6 +119,10 @@ class Registration:
         if self.kind in ("text", "sequence"):
             loom["context_length"] = self.doc["context_length"]
             loom["limits"] = {"max_output_tokens": self.doc["max_output_tokens"]}
+            loom["retained"] = {k: self.doc[k] for k in ("session_cache_capacity", "prefix_cache_capacity",
+                                                         "checkpoint_capacity", "checkpoint_backing")}
+        if self.kind == "sequence" and p is not None:
+            loom["sequence_bytes_per_token"] = p.spec("SEQUENCE_BYTES")
         if self.kind == "text":
             loom["input_tokens"] = bool(p is not None and p.tokenizer is not None and p.policy.get("chats"))
         if p is not None and p.variants:

@@ -56,7 +56,7 @@ class Sequence:
         self.session = session    # a named history to continue (X-Loom-Session), best effort
         self.checkpoint = checkpoint   # a Checkpoint to start from exactly (X-Loom-Checkpoint)
         self.resume = resume      # a sequence handle's History, claimed at submit: continued exactly
-        self.on_chunk = on_chunk  # sequences: on_chunk(position, ids, output bytes) per step
+        self.on_chunk = on_chunk or (lambda position, ids, data: None)   # sequences: output bytes per step
         self.on_start = on_start or (lambda: None)   # it has a row: its response can begin
         self.max_tokens = max_tokens
         self.params = (float(temperature), float(top_p), float(top_k), 0.0)

@@ -1,9 +1,21 @@
-"""Text utilities: POST /tokenize and POST /detokenize with a deployment's tokenizer.
+"""Text and sequence endpoints: tokenizer utilities, chat completions, named
+checkpoints and known-token sequences.
 
-These run on the shared CPU executor: they never activate weights, occupy an
-execution row or wait for an inference step, but they do obey the model's
-admission gate, and keep the prepared deployment (and so its tokenizer)
-borrowed until the work has actually finished.
+- POST /tokenize, /detokenize and /v1/chat/completions/input_tokens run on the
+  shared CPU executor: they never activate weights, occupy an execution row or
+  wait for an inference step, but they obey the model's admission gate.
+- POST /v1/chat/completions (JSON or SSE) renders the conversation with the
+  package's chat policy and runs it on the deployment's TextEngine
+  (scheduler.py); X-Loom-Session names a retained history, X-Loom-Checkpoint
+  starts exactly from a pinned endpoint.
+- POST/DELETE /v1/checkpoints/NAME and .../suspend pin, release and park
+  endpoints (PROFILES.md "Named checkpoints").
+- POST /v1/sequences streams known token ids through a sequence deployment
+  (PROFILES.md "Known-token sequences"); GET /v1/sessions inspects it all.
+
+A streamed response starts (status 200 and the first event) only once the
+request has an execution row, so every refusal before that is a real HTTP
+status.
 """
 
 import base64
@@ -519,14 +531,18 @@ class ControlJob(registry.Job):
         super().__init__(server, reg, request)
         self.work = work
 
-    def run(self):
+    def start(self, error):
+        if error is not None:
+            self.finish(error=error)
+            return
+        self.request.state = "running"
         try:
-            self.work(self)
+            self.work(self)      # even if the client has gone: accepted work still happens
         except Refused as e:
             self.finish(error=_refused(e))
 
     def cancelled(self):
-        self.gone = True   # not withdrawn: accepted control work still happens
+        self.gone = True         # not withdrawn from the admission queue
 
 
 def pin_checkpoint(server, request, name):
@@ -600,8 +616,8 @@ def sequences(server, request):
         raise HTTPError(400, f"options {', '.join(unknown)} are not declared by this model's source",
                         "unknown_field", f"options.{unknown[0]}")
     ids, position, handle = body["token_ids"], body["position"], body.get("session")
-    vocab = reg.prepared.spec("V")
-    bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
+    vocab = reg.prepared.spec("V")      # a package's vocabulary size bounds the ids it can embed
+    bad = next((i for i, t in enumerate(ids) if t >= vocab), None) if vocab is not None else None
     if bad is not None:
         raise HTTPError(400, f"token id {ids[bad]} is outside the vocabulary (size {vocab})", "invalid_value",
                         f"token_ids[{bad}]")

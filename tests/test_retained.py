@@ -230,3 +230,53 @@ def test_an_impossible_restore_is_refused_and_keeps_the_destination(model, loop)
     engine.delete("p")
     engine.release_idle()
     assert engine.pool.available == 8
+
+
+def test_sequence_engine_appends_exactly_and_a_slow_reader_sits_out(model, loop):
+    """Stage encode: per-step chunks of known ids, exact continuation from a handle, and a
+    row whose consumer is not ready leaves the cohorts while another continues."""
+    prepared, _ = model
+    engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=16, stage="encode",
+                        session_capacity=2, checkpoint_capacity=1)
+    size = prepared.spec("SEQUENCE_BYTES")
+    chunks = []
+    first = Sequence(list(range(1, 41)), session="h1", on_chunk=lambda p, ids, data: chunks.append((p, ids, data)))
+    engine.submit(first)
+    run_all(engine, loop, [first])
+    assert [(p, len(ids)) for p, ids, _ in chunks] == [(0, 16), (16, 16), (32, 8)]   # the execution steps
+    assert all(len(data) == len(ids) * size for _, ids, data in chunks)
+    assert engine.sessions["h1"].tokens == list(range(1, 41)) and engine.sessions["h1"].pending is None
+    whole = b"".join(d for _, _, d in chunks)
+    # Append 5 ids to the handle: the KV of the first 40 is reused exactly (not recomputed).
+    saved = engine.claim("h1", 40)
+    more = []
+    tail = Sequence(list(range(1, 46)), session="h1", resume=saved, on_chunk=lambda p, ids, d: more.append((p, d)))
+    engine.submit(tail)
+    run_all(engine, loop, [tail])
+    assert tail.cached == 40 and [p for p, _ in more] == [40]
+    with pytest.raises(ValueError):
+        engine.claim("h1", 40)                            # stale: it has completed 45 now
+    with pytest.raises(KeyError):
+        engine.claim("nobody", 0)
+    # One-shot of all 45 gives the same per-token bytes (within f16 rounding of other layouts).
+    once = []
+    alone = Sequence(list(range(1, 46)), session="h2", on_chunk=lambda p, ids, d: once.append(d))
+    engine.submit(alone)
+    run_all(engine, loop, [alone])
+    got = np.frombuffer(whole + more[0][1], np.float16).astype(np.float32)
+    want = np.frombuffer(b"".join(once), np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    # A slow reader: its row sits out while the other sequence runs to the end.
+    ready = {"slow": False}
+    slow = Sequence(list(range(1, 60)), session="slow", ready=lambda: ready["slow"])
+    fast = Sequence(list(range(60, 120)), session="fast")
+    engine.submit(slow)
+    engine.submit(fast)
+    run_all(engine, loop, [fast])
+    assert fast.finish_reason == "stop" and slow.fed == 0 and slow.finish_reason is None
+    ready["slow"] = True
+    engine.wake()
+    run_all(engine, loop, [slow])
+    assert slow.fed == 59
+    engine.release_idle()
+    assert engine.pool.available == PAGES

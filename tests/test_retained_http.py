@@ -334,3 +334,47 @@ def test_sequence_concurrent_use_checkpoint_fork_eviction_and_disconnect(server,
     assert sequence(server, {"model": "encoder", "session": handles[-1], "position": 1, "token_ids": [3]})[0] == 200
     listing = json.loads(server.request("GET", "/v1/sessions?limit=100")[2])
     assert any(r.get("type") == "sequence" and r["model"] == "encoder" for r in listing["data"])
+
+
+def test_profiles_sequence_example_verbatim(server, baseline):
+    """PROFILES.md's curl example, as written (only the port differs)."""
+    import subprocess
+    command = ("curl -N http://localhost:8080/v1/sequences \\\n"
+               "  -H 'Content-Type: application/json' \\\n"
+               "  -d '{\"model\":\"encoder\",\"position\":0,\"token_ids\":[11,27,42],\"options\":{}}'")
+    out = subprocess.run(["bash", "-c", command.replace("localhost:8080", f"127.0.0.1:{server.port}")],
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    evts = events(out.stdout)
+    assert [k for k, _ in evts] == ["attached", "chunk", "done"]
+    assert evts[1][1]["token_ids"] == [11, 27, 42] and evts[2][1]["position"] == 3
+
+
+def test_accepted_pin_survives_disconnect_and_unprepared_models_are_404(server, baseline):
+    status, _ = chat(server, [{"role": "user", "content": "keep me"}], session="leaver", n=2)
+    assert status == 200
+    assert post(server, "/v1/models/drain", {"model": "scout"})[0] == 200
+    sock = server.raw()
+    sock.sendall(b"POST /v1/checkpoints/left HTTP/1.1\r\nHost: x\r\nX-Loom-Model: scout\r\n"
+                 b"X-Loom-Session: leaver\r\nContent-Length: 0\r\n\r\n")
+    time.sleep(0.3)
+    sock.close()                                          # gone while the pin waits for admission
+    time.sleep(0.2)
+    assert post(server, "/v1/models/undrain", {"model": "scout"})[0] == 200
+    listing = []
+    for _ in range(100):
+        listing = json.loads(server.request("GET", "/v1/sessions?limit=100")[2])["data"]
+        if any(r.get("checkpoint") == "left" for r in listing):
+            break
+        time.sleep(0.05)
+    assert any(r.get("checkpoint") == "left" for r in listing)
+    assert post(server, "/v1/checkpoints/left", method="DELETE", headers={"X-Loom-Model": "scout"})[0] == 200
+    # A registration that has not prepared (drained admission defers it) answers 404 and stays unprepared.
+    doc = {"model": "later", "kind": "text", "sources": ["llama.loom"], "checkpoint": scout_checkpoint(server),
+           "base_directory": llama_folder(), "admission": "drained", "checkpoint_capacity": 1}
+    assert post(server, "/v1/models/register", doc)[0] in (200, 201, 202)
+    status, body = post(server, "/v1/checkpoints/x", method="DELETE", headers={"X-Loom-Model": "later"})
+    assert status == 404 and body["error"]["code"] == "model_not_prepared"
+    regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+    assert next(r for r in regs if r["model"] == "later")["phase"] == "registered"
+    assert post(server, "/v1/models/unregister", {"model": "later"})[0] in (200, 202)
