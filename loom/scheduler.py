@@ -566,14 +566,21 @@ class TextEngine:
         self.loop.run_in_executor(lambda: {"ids": transfer.wait()}, release)
 
     def _stepped(self, work, values, error):
+        """A step retired: apply it, and whatever a consumer's callback does, the
+        engine goes on to the next step."""
+        try:
+            self._apply(work, values, error)
+        finally:
+            self.busy = False
+            self._kick()
+
+    def _apply(self, work, values, error):
         if error is not None:
             log.error("step failed: %s", error, extra={"event": "step_failed", "model": self.prepared.name})
             for row, _ in work:
                 if self.rows[row] is not None:
                     self.rows[row].error = error
                     self._retire(row, "error")
-            self.busy = False
-            self._kick()
             return
         if self.stage == "encode":
             self._encoded(work, values["out"])
@@ -600,9 +607,6 @@ class TextEngine:
                 self._retire(row, "length")
             else:
                 seq.pending = token
-        self.busy = False
-        self._kick()
-
 
     def _encoded(self, work, out):
         offset = 0
@@ -619,8 +623,6 @@ class TextEngine:
                 seq.on_chunk(start, fed, data.tobytes())
             if seq.fed == len(seq.prompt) and not seq.cancelled:
                 self._retire(row, "stop")
-        self.busy = False
-        self._kick()
 
 
 def _paged_buffers(prepared, pages):

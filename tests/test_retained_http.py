@@ -378,3 +378,44 @@ def test_accepted_pin_survives_disconnect_and_unprepared_models_are_404(server, 
     regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
     assert next(r for r in regs if r["model"] == "later")["phase"] == "registered"
     assert post(server, "/v1/models/unregister", {"model": "later"})[0] in (200, 202)
+
+
+# -- untrusted input: any body or name gets a clear answer, never a 500 --------------------
+
+from urllib.parse import quote  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8)
+IDS = st.lists(st.integers(-3, 300), min_size=0, max_size=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries({}, optional={
+    "model": st.just("encoder") | JSON_VALUES, "session": st.just("0" * 32) | JSON_VALUES,
+    "position": st.integers(-1, 4) | JSON_VALUES, "token_ids": IDS | JSON_VALUES,
+    "options": st.just({}) | JSON_VALUES, "extra": JSON_VALUES}))
+def test_sequence_bodies_get_clear_answers(server, body):
+    status, out = sequence(server, body)
+    assert status in (200, 400, 404, 409), (body, out)
+    if status == 200:
+        assert out[0][0] == "attached" and out[-1][0] == "done"
+    else:
+        assert set(out["error"]) == {"message", "type", "param", "code"}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(min_size=1, max_size=70), session=st.text(alphabet=st.characters(min_codepoint=33,
+                                                                                     max_codepoint=126),
+                                                                min_size=1, max_size=70))
+def test_checkpoint_names_get_clear_answers(server, name, session):
+    path = "/v1/checkpoints/" + quote(name, safe="")
+    status, body = post(server, path, headers={"X-Loom-Model": "scout", "X-Loom-Session": session})
+    assert status in (201, 400, 404, 409), (name, session, body)   # 201 only if it named a real session
+    pinned = status == 201
+    status, body = post(server, path, method="DELETE", headers={"X-Loom-Model": "scout"})
+    assert status == 200 if pinned else status in (400, 404), (name, body)
