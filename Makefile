@@ -28,6 +28,7 @@ bench: install
 	$(PY) bench/runtime.py
 	$(PY) bench/kernels.py
 	$(PY) bench/embeddings.py
+	$(PY) bench/retained.py
 
 clean:
 	rm -rf $(VENV) build loom/_native/*.c loom/_native/*.so *.egg-info
