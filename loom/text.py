@@ -232,10 +232,14 @@ def chat_completions(server, request):
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
                   body.get("enable_thinking"), choice != "none", session, cp)
+    return _enter(server, reg, job)
+
+
+def _enter(server, reg, job):
     try:
         server.registry.enter(reg, job)
     except HTTPError:
-        job.release_borrow()
+        job.release()
         raise
     return job.deferred
 
@@ -282,7 +286,66 @@ def engine(server, reg):
     return reg.engine
 
 
-class ChatJob(registry.Job):
+class StreamingJob(registry.Job):
+    """A request on a TextEngine whose answer may be an SSE stream. The stream is handed
+    to the client once the request has a row (open_stream); before that every error is
+    an HTTP status. What was reserved for a request that never reached the engine (a
+    borrowed checkpoint, a claimed handle) goes back through release()."""
+
+    error_event = None    # the SSE event name of an error (None: a bare data line, as OpenAI streams)
+
+    def __init__(self, server, reg, request):
+        super().__init__(server, reg, request)
+        self.seq = None
+        self.stream = None
+
+    def release(self):
+        pass
+
+    def open_stream(self):
+        self.stream = Stream()
+        self.stream.on_close = lambda reason: self.cancelled()
+        self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
+        self.deferred.resolve(self.stream)
+
+    def stop(self):
+        """The step in flight retires before the row is let go."""
+        if self.seq is not None:
+            engine(self.server, self.reg).cancel(self.seq)
+        else:
+            self.release()
+
+    def cancelled(self):
+        super().cancelled()
+        self.stop()
+
+    def fail(self, error):
+        """Withdrawn by unregister: the client gets the error (an SSE error event when
+        streaming)."""
+        if self.gone:
+            return
+        self.stop()
+        if self.stream is None:
+            super().fail(error)
+            return
+        self.gone = True
+        self.send_error(error, "gone_error")
+
+    def finish(self, response=None, error=None):
+        self.release()
+        if self.stream is not None and error is not None and not self.gone:
+            self.send_error(error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed"),
+                            "server_error")
+            error = None
+        super().finish(response, error)
+
+    def send_error(self, error, kind):
+        self.stream.send(sse_event({"error": {"message": error.message, "type": kind, "param": error.param,
+                                              "code": error.code}}, event=self.error_event))
+        self.stream.finish()
+
+
+class ChatJob(StreamingJob):
     what = "chat completion"
 
     def __init__(self, server, reg, request, policy, prompt, limit, sampling, stream, include_usage, thinking,
@@ -295,12 +358,10 @@ class ChatJob(registry.Job):
         self.parser = policy.parser(thinking, tools_allowed)
         self.id = f"chatcmpl-{request.id}"
         self.created = int(time.time())
-        self.seq = None
         self.content, self.reasoning = [], []
         self.streaming = stream
-        self.stream = None                # handed to the client once the request has a row
 
-    def release_borrow(self):
+    def release(self):
         if self.checkpoint is not None:
             engine(self.server, self.reg).unborrow(self.checkpoint)
             self.checkpoint = None
@@ -340,12 +401,9 @@ class ChatJob(registry.Job):
         engine(self.server, self.reg).submit(self.seq)
 
     def on_start(self):
-        """The request has a row: a streamed response begins (errors before this are HTTP statuses)."""
+        """The request has a row: a streamed response begins."""
         if self.streaming and self.stream is None and not self.gone:
-            self.stream = Stream()
-            self.stream.on_close = lambda reason: self.cancelled()
-            self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
-            self.deferred.resolve(self.stream)
+            self.open_stream()
             self.send({"role": "assistant", "content": ""})
 
     def send(self, delta, finish_reason=None):
@@ -417,38 +475,6 @@ class ChatJob(registry.Job):
                                    "model": self.reg.name, "choices": [{"index": 0, "message": message,
                                                                         "finish_reason": finish}],
                                    "usage": usage}))
-
-    def cancelled(self):
-        super().cancelled()
-        self.release_borrow()
-        if self.seq is not None:
-            engine(self.server, self.reg).cancel(self.seq)
-
-    def fail(self, error):
-        """Withdrawn by unregister: the client gets the error (an SSE error event when
-        streaming); the step in flight retires before the row is let go."""
-        if self.gone:
-            return
-        self.release_borrow()
-        if self.seq is not None:
-            engine(self.server, self.reg).cancel(self.seq)
-        if self.stream is None:
-            super().fail(error)
-            return
-        self.gone = True
-        self.stream.send(sse_event({"error": {"message": error.message, "type": "gone_error", "param": error.param,
-                                              "code": error.code}}))
-        self.stream.finish()
-
-    def finish(self, response=None, error=None):
-        self.release_borrow()
-        if self.stream is not None and error is not None and not self.gone:
-            err = error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed")
-            self.stream.send(sse_event({"error": {"message": err.message, "type": "server_error", "param": err.param,
-                                                  "code": err.code}}))
-            self.stream.finish()
-            error = None
-        super().finish(response, error)
 
 
 def sessions(server, request):
@@ -658,26 +684,19 @@ def sequences(server, request):
                                 "position")
     except Refused as e:
         raise _refused(e) from None
-    job = SequenceJob(server, reg, request, handle or secrets.token_hex(16), base, ids, resume, cp)
-    try:
-        server.registry.enter(reg, job)
-    except HTTPError:
-        job.give_back()
-        raise
-    return job.deferred
+    return _enter(server, reg, SequenceJob(server, reg, request, handle or secrets.token_hex(16), base, ids, resume, cp))
 
 
-class SequenceJob(registry.Job):
+class SequenceJob(StreamingJob):
     what = "sequence"
+    error_event = "error"
 
     def __init__(self, server, reg, request, handle, base, ids, resume, checkpoint):
         super().__init__(server, reg, request)
         self.handle, self.base, self.ids = handle, list(base), ids
         self.resume, self.checkpoint = resume, checkpoint
-        self.seq = None
-        self.stream = None
 
-    def give_back(self):
+    def release(self):
         """Never submitted: the claimed handle returns unchanged, the checkpoint unborrowed."""
         eng = engine(self.server, self.reg)
         if self.resume is not None:
@@ -697,10 +716,7 @@ class SequenceJob(registry.Job):
     def on_start(self):
         if self.gone:
             return
-        self.stream = Stream()
-        self.stream.on_close = lambda reason: self.cancelled()
-        self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
-        self.deferred.resolve(self.stream)
+        self.open_stream()
         self.stream.send(sse_event({"session": self.handle, "position": len(self.base)}, event="attached"))
 
     def on_chunk(self, position, ids, data):
@@ -720,36 +736,3 @@ class SequenceJob(registry.Job):
             self.finish(error=HTTPError(500, f"sequence step failed: {self.seq.error}", "execution_failed"))
         else:
             self.finish()
-
-    def cancelled(self):
-        super().cancelled()
-        if self.seq is None:
-            self.give_back()
-        else:
-            engine(self.server, self.reg).cancel(self.seq)
-
-    def fail(self, error):
-        if self.gone:
-            return
-        if self.seq is None:
-            self.give_back()
-        else:
-            engine(self.server, self.reg).cancel(self.seq)
-        if self.stream is None:
-            super().fail(error)
-            return
-        self.gone = True
-        self.stream.send(sse_event({"error": {"message": error.message, "type": "gone_error", "param": error.param,
-                                              "code": error.code}}, event="error"))
-        self.stream.finish()
-
-    def finish(self, response=None, error=None):
-        if self.seq is None and self.resume is not None or self.checkpoint is not None:
-            self.give_back()
-        if self.stream is not None and error is not None and not self.gone:
-            err = error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed")
-            self.stream.send(sse_event({"error": {"message": err.message, "type": "server_error", "param": err.param,
-                                                  "code": err.code}}, event="error"))
-            self.stream.finish()
-            error = None
-        super().finish(response, error)
