@@ -351,7 +351,7 @@ def test_profiles_sequence_example_verbatim(server, baseline):
 
 
 def test_accepted_pin_survives_disconnect_and_unprepared_models_are_404(server, baseline):
-    status, _ = chat(server, [{"role": "user", "content": "keep me"}], session="leaver", n=2)
+    status, _ = chat(server, [{"role": "user", "content": "keep me"}], session="leaver", n=1)   # consumed: the prompt
     assert status == 200
     assert post(server, "/v1/models/drain", {"model": "scout"})[0] == 200
     sock = server.raw()
@@ -368,6 +368,19 @@ def test_accepted_pin_survives_disconnect_and_unprepared_models_are_404(server, 
             break
         time.sleep(0.05)
     assert any(r.get("checkpoint") == "left" for r in listing)
+    # A completion queued behind drained admission borrows the checkpoint: deleting it is 409 meanwhile.
+    assert post(server, "/v1/models/drain", {"model": "scout"})[0] == 200
+    queued = {}
+    waiter = threading.Thread(target=lambda: queued.update(r=chat(
+        server, [{"role": "user", "content": "keep me"}, {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": "next"}], session="leaver-2", checkpoint="left", n=2)))
+    waiter.start()
+    time.sleep(0.3)
+    status, body = post(server, "/v1/checkpoints/left", method="DELETE", headers={"X-Loom-Model": "scout"})
+    assert status == 409 and body["error"]["code"] == "checkpoint_borrowed"
+    assert post(server, "/v1/models/undrain", {"model": "scout"})[0] == 200
+    waiter.join(20)
+    assert queued["r"][0] == 200, queued
     assert post(server, "/v1/checkpoints/left", method="DELETE", headers={"X-Loom-Model": "scout"})[0] == 200
     # A registration that has not prepared (drained admission defers it) answers 404 and stays unprepared.
     doc = {"model": "later", "kind": "text", "sources": ["llama.loom"], "checkpoint": scout_checkpoint(server),
