@@ -184,9 +184,32 @@ class Registry:
             self.device.pool.set_evictor(self._evict_for)
             self.device.metrics(self.server.metrics)
             self.compiler.metrics(self.server.metrics)
+            self._retained_metrics(self.server.metrics)
             log.info("device: %s", self.device.describe(),
                      extra={"event": "device", "device": self.device.info["name"], "type": self.device.info["type"]})
         return self.device
+
+    def _retained_metrics(self, metrics):
+        """KV pages and retained state of each text or sequence deployment, read from its
+        engine at scrape time."""
+        def engines():
+            return [(reg.name, reg.engine.stats()) for reg in list(self.registrations.values())
+                    if getattr(reg, "engine", None) is not None]
+
+        metrics.gauge_fn("loom_kv_pages", "KV cache pages of a deployment's pool, free or used.",
+                         lambda: [((name, state), s["pages"]["free"] if state == "free"
+                                   else s["pages"]["total"] - s["pages"]["free"])
+                                  for name, s in engines() for state in ("free", "used")],
+                         labels=("model", "state"))
+        metrics.gauge_fn("loom_retained", "Retained state held: named sessions or sequence handles, prefixes, "
+                                          "checkpoints (resident or suspended).",
+                         lambda: [((name, kind), value) for name, s in engines() for kind, value in (
+                             ("sessions", s["sessions"]), ("prefixes", s["prefixes"]),
+                             ("checkpoints_resident", s["checkpoints"] - s["suspended_checkpoints"]),
+                             ("checkpoints_suspended", s["suspended_checkpoints"]))],
+                         labels=("model", "kind"))
+        metrics.gauge_fn("loom_checkpoint_host_bytes", "Host memory held by suspended checkpoints.",
+                         lambda: [((name,), s["host_snapshot_bytes"]) for name, s in engines()], labels=("model",))
 
     def device_info(self):
         if self.device is None:

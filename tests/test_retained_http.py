@@ -130,6 +130,10 @@ def test_checkpoint_pin_fork_rewind_suspend_delete(server, baseline):
     listing = json.loads(server.request("GET", "/v1/sessions?limit=100")[2])["data"]
     assert {"checkpoint": "summary", "state": "suspended"}.items() <= next(
         r for r in listing if r.get("checkpoint") == "summary").items()
+    metrics = server.request("GET", "/metrics")[2].decode()
+    assert 'loom_retained{model="scout",kind="checkpoints_suspended"} 1' in metrics
+    assert f'loom_checkpoint_host_bytes{{model="scout"}} {parked["host_snapshot_bytes"]}' in metrics
+    assert 'loom_kv_pages{model="scout",state="free"}' in metrics
     status, resumed = chat(server, messages, session="branch-c", checkpoint="summary")
     assert status == 200 and resumed["choices"][0]["message"]["content"] == want
     # Delete releases the pin; then the name is unknown.
