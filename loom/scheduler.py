@@ -51,12 +51,13 @@ class Sequence:
 
     def __init__(self, prompt, max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=(),
                  on_token=None, on_done=None, ready=None, session=None, checkpoint=None, resume=None,
-                 on_chunk=None, on_start=None):
+                 on_chunk=None, on_start=None, first_output=0):
         self.prompt = list(prompt)
         self.session = session    # a named history to continue (X-Loom-Session), best effort
         self.checkpoint = checkpoint   # a Checkpoint to start from exactly (X-Loom-Checkpoint)
         self.resume = resume      # a sequence handle's History, claimed at submit: continued exactly
         self.on_chunk = on_chunk or (lambda position, ids, data: None)   # sequences: output bytes per step
+        self.first_output = first_output   # sequences: positions before it (replayed history) emit nothing
         self.on_start = on_start or (lambda: None)   # it has a row: its response can begin
         self.max_tokens = max_tokens
         self.params = (float(temperature), float(top_p), float(top_k), 0.0)
@@ -619,8 +620,9 @@ class TextEngine:
             if seq is None:
                 continue
             seq.fed += len(fed)
-            if not seq.cancelled:
-                seq.on_chunk(start, fed, data.tobytes())
+            skip = max(0, seq.first_output - start)   # history replayed (a shared page could not be copied)
+            if not seq.cancelled and skip < len(fed):
+                seq.on_chunk(start + skip, fed[skip:], data[skip * self.out_bytes:].tobytes())
             if seq.fed == len(seq.prompt) and not seq.cancelled:
                 self._retire(row, "stop")
 

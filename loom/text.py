@@ -709,7 +709,8 @@ class SequenceJob(StreamingJob):
     def run(self):
         self.seq = Sequence(self.base + self.ids, session=self.handle, resume=self.resume,
                             checkpoint=self.checkpoint, on_chunk=self.on_chunk, on_done=self.on_done,
-                            on_start=self.on_start, ready=lambda: self.stream is None or self.stream.ready)
+                            on_start=self.on_start, ready=lambda: self.stream is None or self.stream.ready,
+                            first_output=len(self.base))
         self.resume = self.checkpoint = None     # the engine owns them now
         engine(self.server, self.reg).submit(self.seq)
 

@@ -9,6 +9,7 @@ back at its baseline.
 import numpy as np
 import pytest
 
+from loom.kvcache import History
 from loom.scheduler import Refused, Sequence, TextEngine
 from loom.server import Loop
 from test_llama import device, greedy_reference, prepared_model  # noqa: F401  (device: a fixture)
@@ -278,5 +279,41 @@ def test_sequence_engine_appends_exactly_and_a_slow_reader_sits_out(model, loop)
     engine.wake()
     run_all(engine, loop, [slow])
     assert slow.fed == 59
+    engine.release_idle()
+    assert engine.pool.available == PAGES
+
+
+def test_a_sequence_that_must_replay_history_emits_only_its_new_ids(model, loop):
+    """If a shared partial page cannot be copied, the history inside it is computed again,
+    but the caller still gets chunks for exactly the ids it sent, at their positions."""
+    prepared, _ = model
+    engine = TextEngine(prepared, loop, rows=1, pages=PAGES, page_size=PAGE, chunk=16, stage="encode",
+                        session_capacity=2, checkpoint_capacity=1)
+    first = Sequence(list(range(1, 21)), session="h")
+    engine.submit(first)
+    run_all(engine, loop, [first])
+    engine.pin("cp", "h")                                # shares h's partly filled second page
+
+    def append(copy):
+        engine.tables[0].copy = copy
+        got = []
+        seq = Sequence(list(range(1, 24)), session="h", resume=engine.claim("h", 20), first_output=20,
+                       on_chunk=lambda p, ids, data: got.append((p, list(ids), data)))
+        engine.submit(seq)
+        run_all(engine, loop, [seq])
+        return seq, got
+
+    replayed, chunks = append(None)                      # no copier: the boundary moves to the page start
+    assert replayed.cached == 16 and [(p, ids) for p, ids, _ in chunks] == [(20, [21, 22, 23])]
+    engine.release_idle()
+    cp = engine.checkpoints["cp"]
+    engine.pool.share(cp.pages)
+    engine.retain("h", History(cp.tokens, cp.pages))     # back to the pinned endpoint, sharing its pages
+    copied, again = append(engine.paged.copy)
+    assert copied.cached == 20 and [(p, ids) for p, ids, _ in again] == [(20, [21, 22, 23])]
+    a = np.frombuffer(chunks[0][2], np.float16).astype(np.float32)
+    b = np.frombuffer(again[0][2], np.float16).astype(np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+    engine.delete("cp")
     engine.release_idle()
     assert engine.pool.available == PAGES
