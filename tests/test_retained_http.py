@@ -46,6 +46,17 @@ def chat(server, messages, session=None, checkpoint=None, n=6, stream=False):
     return status, json.loads(raw)
 
 
+def streamed(server, messages, session, n=6):
+    """A streamed completion folded into the JSON shape: (status, {choices, usage})."""
+    headers = dict(JSON, **{"X-Loom-Session": session})
+    body = {"model": "scout", "messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    status, _, raw = server.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=headers)
+    chunks = [json.loads(b[6:]) for b in raw.decode().split("\n\n") if b.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    return status, {"choices": [{"message": {"content": text}}], "usage": chunks[-1]["usage"]}
+
+
 def scheduler(server, model):
     regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
     return next(r for r in regs if r["model"] == model)["scheduler"]
@@ -67,7 +78,10 @@ def test_three_turns_on_a_session_reuse_and_match_cold_runs(server, baseline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
     prompt_tokens = 0
     for turn in range(3):
-        status, warm = chat(server, messages, session="three-turns")
+        if turn == 1:                                     # streamed and JSON turns alternate freely
+            status, warm = streamed(server, messages, session="three-turns")
+        else:
+            status, warm = chat(server, messages, session="three-turns")
         assert status == 200, warm
         cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
         if turn:
