@@ -252,26 +252,53 @@ def input_tokens(server, request):
             raise HTTPError(400, f"{header} selects retained state; counting is stateless", "unsupported_header",
                             header)
     body, reg, policy, prompt = _validated(server, request)
-    tok = reg.prepared.tokenizer
     counting = getattr(reg, "counting", 0)
     if counting >= reg.doc["pending_capacity"]:
         raise HTTPError(503, f"model {reg.name!r} has a full counting queue", "queue_full", "model")
     reg.counting = counting + 1
-    deferred = Deferred()
-
-    def counted(ids, error):
+    job = CountJob(server, reg, request, prompt)
+    try:
+        server.registry.enter(reg, job)     # the drain policy applies: a drained model queues the count
+    except HTTPError:
         reg.counting -= 1
-        if error is not None:
-            deferred.resolve(HTTPError(500, f"tokenizer failed: {error}", "tokenizer_failed").response())
-        elif len(ids) > reg.doc["context_length"]:
-            deferred.resolve(HTTPError(400, f"the input has {len(ids)} tokens, over the context length "
-                                            f"{reg.doc['context_length']}", "context_length_exceeded",
-                                       "messages").response())
-        else:
-            deferred.resolve(Response.json({"input_tokens": len(ids)}))
+        raise
+    return job.deferred
 
-    server.loop.run_in_executor(lambda: tok.encode(prompt, add_special=False), counted)
-    return deferred
+
+class CountJob(registry.Job):
+    """An input_tokens count: the policy's tokenizer on a CPU worker, no weights or rows."""
+
+    what = "input token count"
+    resident = False
+
+    def __init__(self, server, reg, request, prompt):
+        super().__init__(server, reg, request)
+        self.prompt = prompt
+
+    def run(self):
+        tok = self.reg.prepared.tokenizer
+        self.server.loop.run_in_executor(lambda: tok.encode(self.prompt, add_special=False), self.counted)
+
+    def counted(self, ids, error):
+        context = self.reg.doc["context_length"]
+        if error is not None:
+            self.finish(error=HTTPError(500, f"tokenizer failed: {error}", "tokenizer_failed"))
+        elif len(ids) > context:
+            self.finish(error=HTTPError(400, f"the input has {len(ids)} tokens, over the context length {context}",
+                                        "context_length_exceeded", "messages"))
+        else:
+            self.finish(Response.json({"input_tokens": len(ids)}))
+
+    def cancelled(self):
+        waiting = self in self.reg.waiting
+        super().cancelled()
+        if waiting:
+            self.finish()        # withdrawn before it ran: its place in the counting queue frees
+
+    def finish(self, response=None, error=None):
+        if not self.finished:
+            self.reg.counting -= 1
+        super().finish(response, error)
 
 
 def engine(server, reg):

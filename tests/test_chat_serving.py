@@ -277,3 +277,23 @@ def test_status_shows_the_scheduler(server):
     sched = next(r for r in regs if r["model"] == "scout")["scheduler"]
     assert sched["rows"] == 4 and sched["active"] == 0 and sched["steps"] > 0
     assert 0 < sched["pages"]["free"] <= sched["pages"]["total"] and sched["pages"]["page_size"] == 16
+
+
+def test_input_tokens_waits_behind_a_drained_model(server):
+    """The drain policy applies to counting too: the count queues until admission reopens."""
+    import time
+    answered = {}
+
+    def count():
+        answered["r"] = server.request("POST", "/v1/chat/completions/input_tokens", body=json.dumps(BASE).encode(),
+                                       headers={"Content-Type": "application/json"})
+    drain = json.dumps({"model": "scout"}).encode()
+    assert server.request("POST", "/v1/models/drain", body=drain, headers={"Content-Type": "application/json"})[0] == 200
+    waiter = threading.Thread(target=count)
+    waiter.start()
+    time.sleep(0.3)
+    assert not answered
+    assert server.request("POST", "/v1/models/undrain", body=drain,
+                          headers={"Content-Type": "application/json"})[0] == 200
+    waiter.join(10)
+    assert answered["r"][0] == 200 and json.loads(answered["r"][2])["input_tokens"] > 0
