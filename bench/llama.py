@@ -7,7 +7,16 @@ decode tokens/s at batch 1, beside the bandwidth bound (weight bytes read per
 token / DRAM bandwidth measured with numpy in the same run). PERFORMANCE.md
 has llama.cpp's figures on this machine for the same shape.
 
-    python bench/llama.py [--dtypes F16,Q8_0] [--decode 32]
+Then batched decode (continuous batching without the server): one `advance`
+step of R rows feeding one token each (T = R), every row with its own pages and
+128 positions already stored, for each R of --rows: step ms and aggregate
+tok/s beside R = 1, plus the library sampler (opencl/sample.cl at the package's
+default temperature 0.7 / top_p 0.8 / top_k 20) for the same R rows. With
+--breakdown, a diagnostic replay of the R = 1 and largest-R plans that waits
+for each launch (queue.finish) and sums the time per kernel (matmuls by
+their N x K): the serial sum, not the pipelined step.
+
+    python bench/llama.py [--dtypes F16,Q8_0] [--decode 32] [--rows 1,2,4,8] [--breakdown]
 """
 
 import argparse
@@ -29,6 +38,7 @@ SHAPE = {"L": 24, "D": 896, "H": 14, "HKV": 2, "F": 4864, "V": 32000}
 CACHE = os.path.expanduser("~/.cache/loom/bench")
 SOURCE = os.path.join(ROOT, "models", "llama", "llama.loom")
 PAGE, CTX = 16, 512
+BATCH_CONTEXT = 128      # positions each batched row already holds
 
 
 def checkpoint(dtype):
@@ -105,6 +115,139 @@ class Row:
         return self.device.download(self.logits, np.float32, SHAPE["V"])
 
 
+class Cohort:
+    """R rows with their own pages, each prefilled with BATCH_CONTEXT tokens, then
+    stepped together one token per row (the scheduler's decode cohort)."""
+
+    def __init__(self, prepared, R, prompt):
+        self.prepared, self.device, self.R = prepared, prepared.device, R
+        max_pages = prepared.spec("MAX_PAGES")
+        self.tables = np.arange(R * max_pages, dtype=np.int32).reshape(R, max_pages)
+        self.logits = self.device.pool.alloc(4 * SHAPE["V"] * R, "bench", "workspace")
+        for r in range(R):        # prefill each row alone, into its own pages
+            self._run({"tokens": np.array(prompt, np.int32), "pos": np.arange(len(prompt), dtype=np.int32),
+                       "row_of": np.zeros(len(prompt), np.int32), "pages": self.tables[r],
+                       "last": np.array([len(prompt) - 1], np.int32)}, len(prompt), 1)
+        self.length = len(prompt)
+
+    def plan(self, T, R):
+        box = {}
+        self.prepared.plan_async("advance", {"T": T, "R": R}, lambda plan, error: box.update(plan=plan, error=error))
+        if box["error"] is not None:
+            raise box["error"]
+        return box["plan"]
+
+    def _buffers(self, host):
+        bufs = {k: self.device.pool.alloc(a.nbytes, "bench", "workspace", host=a) for k, a in host.items()}
+        bufs["logits"] = self.logits
+        return bufs
+
+    def _run(self, host, T, R, diagnose=None):
+        bufs = self._buffers(host)
+        plan = self.plan(T, R)
+        if diagnose is None:
+            plan.run(bufs).wait()
+        else:
+            diagnose(plan, bufs)
+        for k in host:
+            bufs[k].release()
+
+    def host(self, tokens):
+        R = self.R
+        return {"tokens": np.array(tokens, np.int32), "pos": np.full(R, self.length, np.int32),
+                "row_of": np.arange(R, dtype=np.int32), "pages": self.tables.ravel(),
+                "last": np.arange(R, dtype=np.int32)}
+
+    def step(self, tokens, diagnose=None):
+        self._run(self.host(tokens), self.R, self.R, diagnose)
+        self.length += 1
+
+
+def per_kernel(plan, bufs, totals):
+    """Replay `plan` launch by launch, waiting for each: seconds per kernel into totals."""
+    import pyopencl as cl
+    for kernel, i, name in plan.slots:
+        kernel.set_arg(i, bufs[name].buffer)
+    queue = plan.prepared.device.queue
+    queue.finish()
+    for (kernel, grid, local), launch in zip(plan.launches, plan.layout.launches):
+        d = launch.defines
+        key = f"{launch.kernel} {d['N']}x{d['K']}" if "N" in d and "K" in d else launch.kernel
+        start = time.perf_counter()
+        cl.enqueue_nd_range_kernel(queue, kernel, grid, local)
+        queue.finish()
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+
+class Sampler:
+    """The library sampler over R rows of logits, as the scheduler launches it."""
+
+    def __init__(self, prepared, compiler, R, logits):
+        import pyopencl as cl
+        self.device = device = prepared.device
+        self.R, self.logits = R, logits
+        V = SHAPE["V"]
+        exe = compiler.compile(compiler.library_source("sample"), {"V": V}, name="sample")
+        params = np.tile(np.array([0.7, 0.8, 20, 0], np.float32), (R, 1))
+        seeds = np.array([[r, 0] for r in range(R)], np.uint32)
+        self.bufs = [device.pool.alloc(params.nbytes, "bench", "workspace", host=params),
+                     device.pool.alloc(seeds.nbytes, "bench", "workspace", host=seeds),
+                     device.pool.alloc(4 * R * V, "bench", "workspace"),
+                     device.pool.alloc(4 * R, "bench", "workspace")]
+        self.kernel = cl.Kernel(exe.program, "sample")
+        self.kernel.set_args(logits.buffer, np.int32(0), np.int32(V), *(b.buffer for b in self.bufs[:4]),
+                             np.int32(R))
+
+    def run(self):
+        import pyopencl as cl
+        cl.enqueue_nd_range_kernel(self.device.queue, self.kernel, (self.R,), (1,))   # as the scheduler
+        return self.device.download(self.bufs[3], np.int32, self.R)
+
+    def release(self):
+        for b in self.bufs:
+            b.release()
+
+
+def batched(prepared, compiler, rows, steps, breakdown):
+    """Batched decode: R rows x 1 token per `advance` step."""
+    prompt = list(np.random.default_rng(2).integers(0, SHAPE["V"], BATCH_CONTEXT))
+    print(f"\n  batched decode, {BATCH_CONTEXT} positions per row: one advance step of R rows x 1 token")
+    print(f"  {'R':>3} {'step ms':>9} {'tok/s':>8} {'x R=1':>6} {'sample ms':>10} {'with sample tok/s':>18}")
+    base, diag = None, {}
+    for R in rows:
+        cohort = Cohort(prepared, R, prompt)
+        sampler = Sampler(prepared, compiler, R, cohort.logits)
+        try:
+            tokens = [7] * R
+            cohort.step(tokens)                                  # warm this shape
+            sampler.run()
+            start = time.perf_counter()
+            for _ in range(steps):
+                cohort.step(tokens)
+            step = (time.perf_counter() - start) / steps
+            sample = min(_timed(sampler.run) for _ in range(5))
+            base = base or R / step
+            print(f"  {R:3d} {step * 1e3:9.1f} {R / step:8.1f} {R / step / base:5.1f}x {sample * 1e3:10.2f} "
+                  f"{R / (step + sample):18.1f}")
+            if breakdown and R in (rows[0], rows[-1]):
+                totals = {}
+                for _ in range(3):
+                    cohort.step(tokens, lambda plan, bufs: per_kernel(plan, bufs, totals))
+                diag[R] = {k: v / 3 for k, v in totals.items()}
+        finally:
+            sampler.release()
+            cohort.logits.release()
+    if diag:
+        lo, hi = rows[0], rows[-1]
+        print(f"\n  per kernel, ms per step (each launch waited for; serial sum):")
+        print(f"  {'kernel':24} {'R=' + str(lo):>9} {'R=' + str(hi):>9} {'ratio':>6}")
+        keys = sorted(diag[hi], key=lambda k: -diag[hi][k])
+        for k in keys + ["total"]:
+            a = sum(diag[lo].values()) if k == "total" else diag[lo].get(k, 0.0)
+            b = sum(diag[hi].values()) if k == "total" else diag[hi][k]
+            print(f"  {k:24} {a * 1e3:9.2f} {b * 1e3:9.2f} {b / a if a else 0:5.1f}x")
+
+
 def bandwidth():
     a = np.ones(64 << 20, np.float32)
     best = min(_timed(a.sum) for _ in range(5))
@@ -121,18 +264,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="F16,Q8_0")
     ap.add_argument("--decode", type=int, default=32, help="decode steps to time")
+    ap.add_argument("--rows", default="1,2,4,8", help="batched decode: rows per step")
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel times for the smallest and largest R")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     device = Device(args.device)
     compiler = Compiler(device, run_now)
     bw = bandwidth()
+    rows = [int(r) for r in args.rows.split(",") if r]
     print(f"device: {device.describe()}")
     print(f"numpy DRAM read bandwidth, same run: {bw:.1f} GB/s\n")
     print(f"{'weights':8} {'GB':>6} {'prefill 128 tok/s':>18} {'decode tok/s':>13} {'decode bound':>13} {'of bound':>9}")
     for dtype in args.dtypes.split(","):
         path = checkpoint(dtype)
         prepared = runtime.prepare(f"bench-{dtype}", [SOURCE], path,
-                                   {"pages": CTX // PAGE, "page_size": PAGE, "context_length": CTX}, device, compiler)
+                                   {"pages": max(rows, default=1) * CTX // PAGE, "page_size": PAGE, "context_length": CTX}, device, compiler)
         try:
             weight_bytes = prepared.param_bytes() - prepared.params[("embd", None)].capacity  # rows gathered, not read
             prompt = list(np.random.default_rng(1).integers(0, SHAPE["V"], 128))
@@ -150,6 +296,8 @@ def main():
             bound = bw * 1e9 / weight_bytes
             print(f"{dtype:8} {weight_bytes / 1e9:6.2f} {128 / prefill:18.1f} {1 / decode:13.1f} {bound:13.1f} "
                   f"{(1 / decode) / bound:8.0%}")
+            if rows:
+                batched(prepared, compiler, rows, max(4, args.decode // 2), args.breakdown)
         finally:
             prepared.release()
 

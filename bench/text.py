@@ -4,7 +4,10 @@ Serves the llama bench model (bench/llama.py's random-weight GGUF shaped like
 Qwen2.5-0.5B, with a byte-level tokenizer.json of the same vocabulary beside
 it) from a real `python -m loom` and measures over HTTP with streaming: time to
 first token for a 128-token prompt, decode tokens/s for one client, and
-aggregate tokens/s for 1, 4 and 8 concurrent clients. The package's own decode
+aggregate tokens/s for 1, 4 and 8 concurrent clients (the whole wall, prefill of
+every prompt included), and beside it the steady decode rate: tokens streamed
+while every client was past its first token and none had finished (no prefill
+in the cohort). The package's own decode
 speed (bench/llama.py's direct loop) is measured in the same run: the
 difference is the serving overhead.
 
@@ -55,8 +58,9 @@ def tokenizer_beside(gguf_path, vocab):
     return path
 
 
-def stream(port, prompt, max_tokens):
-    """(seconds to the first token, seconds for the rest, tokens generated)."""
+def stream(port, prompt, max_tokens, times=None):
+    """(seconds to the first token, seconds for the rest, tokens generated); the
+    arrival time of every content chunk appended to `times` when given."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -71,12 +75,25 @@ def stream(port, prompt, max_tokens):
         event = json.loads(line[6:])
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
-        elif first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
-            first = time.perf_counter()
+        elif event["choices"] and event["choices"][0]["delta"].get("content"):
+            now = time.perf_counter()
+            first = first or now
+            if times is not None:
+                times.append(now)
     end = time.perf_counter()
     conn.close()
     first = first or end
     return first - start, end - first, tokens
+
+
+def steady(chunks, results):
+    """Tokens/s while all clients decode: chunks inside [last first chunk, first last
+    chunk], each client's chunk count scaled to its token count."""
+    lo, hi = max(c[0] for c in chunks), min(c[-1] for c in chunks)
+    if hi - lo <= 0:
+        return float("nan")
+    tokens = sum(sum(lo < t <= hi for t in c) * tok / len(c) for c, tok in zip(chunks, (r[2] for r in results)))
+    return tokens / (hi - lo)
 
 
 def main():
@@ -118,9 +135,11 @@ def main():
         print(f"time to first token       {ttft * 1000:8.1f} ms")
         print(f"decode, one client        {(tokens - 1) / rest:8.1f} tok/s")
         for clients in (1, 4, 8):
-            results = []
-            threads = [threading.Thread(target=lambda: results.append(stream(port, prompt, args.tokens)))
-                       for _ in range(clients)]
+            results, chunks = [None] * clients, [[] for _ in range(clients)]
+
+            def client(i):
+                results[i] = stream(port, prompt, args.tokens, chunks[i])
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
             start = time.perf_counter()
             for t in threads:
                 t.start()
@@ -128,7 +147,7 @@ def main():
                 t.join()
             wall = time.perf_counter() - start
             print(f"aggregate, {clients} client{'s' if clients > 1 else ' '}      "
-                  f"{sum(r[2] for r in results) / wall:8.1f} tok/s")
+                  f"{sum(r[2] for r in results) / wall:8.1f} tok/s   steady decode {steady(chunks, results):6.1f} tok/s")
     finally:
         proc.terminate()
         proc.wait(30)

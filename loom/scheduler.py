@@ -556,7 +556,7 @@ class TextEngine:
         kernel = cl.Kernel(self.sampler.program, "sample")
         kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
                         extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
-        cl.enqueue_nd_range_kernel(device.queue, kernel, (R,), None)
+        cl.enqueue_nd_range_kernel(device.queue, kernel, (R,), (1,))   # a row per work-group: rows spread over cores
         transfer = device.download_async(extra["ids"], np.int32, R)
 
         def release(values, error):

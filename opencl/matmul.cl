@@ -14,8 +14,8 @@
  *                        K/32 blocks per row, rows back to back). Quantized: K % 32 == 0.
  *                        Block scales must be finite (a reader should reject others).
  *   ROWS_PER_ITEM  (1)   output rows per work-item
- *   TOKENS_PER_ITEM (1)  tokens per register tile: each loaded weight vector is
- *                        used for this many tokens
+ *   TOKENS_PER_ITEM (1)  tokens per register tile (at most 16): each loaded
+ *                        weight vector is used for this many tokens
  *   WG             (8)   local size along dim 0 (reqd_work_group_size)
  *   VW            (16)   vector width along K: 4, 8 or 16
  *   ACCS          (2 for a 1x1 tile, else 1)  independent accumulators per output
@@ -30,12 +30,15 @@
  *
  * Geometry measured on PoCL (2-core Zen; opencl/README.md has the table):
  *   decode T = 1: ROWS_PER_ITEM=1 TOKENS_PER_ITEM=1 WG=8 VW=16; cohorts of
- *   2-8: 1,4,8,16; prefill chunks: 4,2,8,8 (F32) or 2,4,8,8 (others). One row
+ *   2-15: 1,4,8,16, or 2,4,8,8 when K >= 4096 (T rows of X outgrow L1, and two
+ *   rows per item halve the X loads); prefill chunks: 4,2,8,8 (F32) or 2,4,8,8
+ *   (others). One row
  *   per work-item makes each work-group stream one contiguous stretch of W; on
  *   PoCL several interleaved rows per work-item streamed 2x slower from DRAM.
  *   Tail rows (N not a multiple of ROWS_PER_ITEM) read row N-1 again and skip
  *   the store, keeping the hot loop branch-free; tail tokens (T not a multiple
- *   of TOKENS_PER_ITEM) run one at a time through the same code.
+ *   of TOKENS_PER_ITEM) run as one narrower tile (T = 3 with 4 tokens per item
+ *   loads each weight vector once, not three times).
  */
 
 #ifndef K
@@ -194,6 +197,12 @@ __attribute__((always_inline)) inline void mm_tile(
     }
 }
 
+#if TPI > 16
+#error "matmul.cl: TOKENS_PER_ITEM must be at most 16"
+#endif
+/* A tail of nt < TPI tokens (cases nt >= TPI are dead and fold away). */
+#define MM_TAIL(nt) case nt: if (nt < TPI) mm_tile(X, ldx, W, bias, Y, ldy, n0, t0, nt); break;
+
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void matmul(const __global float *X, int x_off, int ldx,
             const __global WTYPE *W,
@@ -211,8 +220,11 @@ void matmul(const __global float *X, int x_off, int ldx,
         if (t0 + TPI <= T) {
             mm_tile(X, ldx, W, bias, Y, ldy, n0, t0, TPI);
         } else {
-            for (int t = t0; t < T; t++)
-                mm_tile(X, ldx, W, bias, Y, ldy, n0, t, 1);
+            /* the tail: one narrower tile, its width a literal at each case */
+            switch (T - t0) {
+            MM_TAIL(1) MM_TAIL(2) MM_TAIL(3) MM_TAIL(4) MM_TAIL(5) MM_TAIL(6) MM_TAIL(7)
+            MM_TAIL(8) MM_TAIL(9) MM_TAIL(10) MM_TAIL(11) MM_TAIL(12) MM_TAIL(13) MM_TAIL(14) MM_TAIL(15)
+            }
         }
     }
 }

@@ -10,6 +10,8 @@
  *
  * Macros: V (required) vocabulary.
  * Launch: global = (R), local = any: one work-item per row, rows in parallel.
+ *   (1) on CPUs: PoCL runs a work-group on one core, and left to choose it puts
+ *   all R rows in one group (8 rows took 8x one row on 2 cores; with (1), 4x).
  *
  * Semantics (tests/test_sampling.py holds a numpy reference of exactly this):
  *  - temperature <= 0 or top_k == 1: the argmax, lowest index on ties;

@@ -268,6 +268,22 @@ def test_matmul_geometry_does_not_change_the_answer(env):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_matmul_cohort_tails(env, kind):
+    """Cohort geometries (llama.loom: 1,4,8,16 and, for K >= 4096, 2,4,8,8) and a
+    wide tile: every T, so every tail width (T % TOKENS_PER_ITEM, run as one
+    narrower tile) meets numpy, for a short and a long K."""
+    for n, k, geometries in ((19, 96, ((1, 4, 8, 16), (2, 4, 8, 8), (1, 16, 8, 4))),
+                             (11, 4864, ((2, 4, 8, 8),))):
+        wraw, wref = make_weights(kind, random_weights(41, n, k))
+        x = rng(42).standard_normal((18, k)).astype(np.float32)
+        y0 = rng(43).standard_normal((18, n)).astype(np.float32)
+        for geometry in geometries:
+            for t in range(1, 19 if geometry[1] == 16 else 10):
+                got = run_matmul(env, kind, n, k, x[:t], wraw, y0=y0[:t], geometry=geometry)
+                assert_close(got, y0[:t] + x[:t].astype(np.float64) @ wref.T, REL[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_matmul_subnormal_scales(env, kind):
     """Tiny weights: f16 values and block scales that are f16 subnormals."""
     n, k = 6, 64
