@@ -4,8 +4,8 @@ A random-weight GGUF shaped like Qwen2.5-0.5B (24 layers, 896 dims, 14 heads /
 2 KV heads, FFN 4864, vocab 32000, untied head) in F16 and Q8_0, generated once
 into ~/.cache/loom/bench. For each: prefill tokens/s for a 128-token prompt and
 decode tokens/s at batch 1, beside the bandwidth bound (weight bytes read per
-token / DRAM bandwidth measured with numpy in the same run). PERFORMANCE.md
-has llama.cpp's figures on this machine for the same shape.
+token / DRAM bandwidth measured with numpy in the same run). --dtypes also
+takes Q4_0.
 
 Then batched decode (continuous batching without the server): one `advance`
 step of R rows feeding one token each (T = R), every row with its own pages and

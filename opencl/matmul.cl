@@ -21,6 +21,17 @@
  *   ACCS          (2 for a 1x1 tile, else 1)  independent accumulators per output
  *   HAS_BIAS             add b[n]
  *   ACCUMULATE           Y += result (residual add) instead of Y = result
+ *   ACT_F32 (default) | ACT_Q8   activations as float, or (Q8_0 / Q4_0 weights
+ *                        only) quantized to int8 per 32-block by each work-group
+ *                        into local memory, as llama.cpp does: d_x = max|x| / 127,
+ *                        q_x = round-half-even(x * (1 / d_x)); each block's dot is an
+ *                        int32 sum of q_w * q_x scaled once by d_w * d_x. Results
+ *                        differ from the float path by the activation rounding
+ *                        (<= d_x / 2 per element; ~0.5% of the output scale). VW and
+ *                        ACCS are unused; use WG >= 32 (every group quantizes its
+ *                        tokens' rows of X: more rows per group amortize that).
+ *                        x86 with AVX2 uses pmaddubsw/pmaddwd, other targets (and
+ *                        MM_PORTABLE) a widening int multiply.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * Launch: global = (round_up(ceil(N / ROWS_PER_ITEM), WG), G1), local = (WG, 1).
@@ -35,6 +46,8 @@
  *   (others). One row
  *   per work-item makes each work-group stream one contiguous stretch of W; on
  *   PoCL several interleaved rows per work-item streamed 2x slower from DRAM.
+ *   ACT_Q8 (Q8_0/Q4_0, T <= 2): 1,T,64 (WG 64); faster than float there only:
+ *   from T = 4 on the per-block int->float scaling costs what the float FMAs do.
  *   Tail rows (N not a multiple of ROWS_PER_ITEM) read row N-1 again and skip
  *   the store, keeping the hot loop branch-free; tail tokens (T not a multiple
  *   of TOKENS_PER_ITEM) run as one narrower tile (T = 3 with 4 tokens per item
@@ -197,11 +210,173 @@ __attribute__((always_inline)) inline void mm_tile(
     }
 }
 
+#ifdef ACT_Q8
+/* ---- int8 activations (ACT_Q8): the llama.cpp scheme ----
+ * Each work-group quantizes the TPI tokens of its current tile into local
+ * memory, per 32-element block b of token t: dx = max|x| / 127 (float),
+ * qx = round-to-nearest-even(x * (1 / dx)) in [-127, 127] (0 when dx = 0), and
+ * for Q4_0 sx = sum(qx). A block's dot with a weight block is an int32 sum of
+ * int8 x int8 products, scaled once: dw * dx * sum(qw * qx); Q4_0 uses the
+ * unsigned nibbles u (qw = u - 8): dw * dx * (sum(u * qx) - 8 * sx). */
+#if !defined(WEIGHT_Q8_0) && !defined(WEIGHT_Q4_0)
+#error "matmul.cl: ACT_Q8 needs WEIGHT_Q8_0 or WEIGHT_Q4_0"
+#endif
+#define NB (K / LOOM_QK)
+
+/* One block of activations: 32 floats -> 32 int8 at q, scale *d, sum *s. */
+__attribute__((always_inline)) inline void mm_quantize_block(
+    const __global float *x, __local char *q, __local float *d, __local int *s)
+{
+#pragma OPENCL FP_CONTRACT OFF
+    float16 a = loom_ld_float16(x), b = loom_ld_float16(x + 16);
+    float16 aa = as_float16(as_uint16(a) & 0x7fffffffu), ab = as_float16(as_uint16(b) & 0x7fffffffu);
+    float16 m16 = aa > ab ? aa : ab;
+    float8 m8 = m16.lo > m16.hi ? m16.lo : m16.hi;
+    float4 m4 = m8.lo > m8.hi ? m8.lo : m8.hi;
+    float2 m2 = m4.lo > m4.hi ? m4.lo : m4.hi;
+    float amax = m2.x > m2.y ? m2.x : m2.y;
+    float dx = amax / 127.0f;
+    float id = dx != 0.0f ? 1.0f / dx : 0.0f;
+    /* round to nearest even: |x * id| <= 127.x, far below 2^22 */
+    float16 va = a * id, vb = b * id;
+    int16 qa = as_int16(va + 12582912.0f) - 0x4B400000;
+    int16 qb = as_int16(vb + 12582912.0f) - 0x4B400000;
+    /* __builtin_convertvector: PoCL 3.0's convert_char16(int16) returned zeros here */
+    *(__local char16 *)q = __builtin_convertvector(qa, char16);
+    *(__local char16 *)(q + 16) = __builtin_convertvector(qb, char16);
+    *d = dx;
+#ifdef WEIGHT_Q4_0
+    int16 t16 = qa + qb;
+    int8 t8 = t16.lo + t16.hi;
+    int4 t4 = t8.lo + t8.hi;
+    *s = (t4.x + t4.y) + (t4.z + t4.w);
+#endif
+}
+
+/* Integer block dots: MM_WPREP(r) loads row r's weight block b into wq[r]
+ * (and wv[r]); MM_DOT(r, xv) is an int8 whose lanes sum to the block's
+ * integer dot (Q4_0: sum(u * qx), the -8 * sx term is added by the caller). */
+#if defined(__AVX2__) && !defined(LOOM_USE_BUILTINS) && !defined(MM_PORTABLE)
+typedef char mm_v32qi __attribute__((vector_size(32)));
+typedef uchar mm_v16qu __attribute__((vector_size(16)));
+typedef short mm_v16hi __attribute__((vector_size(32)));
+typedef int mm_v8si __attribute__((vector_size(32)));
+typedef struct __attribute__((packed)) { mm_v32qi v; } mm_u32qi;
+typedef struct __attribute__((packed)) { mm_v16qu v; } mm_u16qu;
+#define MM_XV(p) (*(const __local mm_v32qi *)(p))
+#define MM_ONES ((mm_v16hi){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1})
+/* pmaddubsw (u8 x s8 pairs -> s16) then pmaddwd by ones (-> s32): no
+ * saturation, as |qx| <= 127 and the unsigned operand is <= 128 */
+#define MM_MADD(u, sx) __builtin_astype(__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((u), (sx)), MM_ONES), int8)
+#if defined(WEIGHT_Q8_0)
+#define MM_WDECL mm_v32qi wv[RPI], wq[RPI];
+#define MM_WPREP(r) { wv[r] = ((const __global mm_u32qi *)(WBLK(r, kb) + 2))->v; wq[r] = __builtin_ia32_psignb256(wv[r], wv[r]); }
+/* |qw| * (qx with qw's sign) = qw * qx */
+#define MM_DOT(r, xv) MM_MADD(wq[r], __builtin_ia32_psignb256((xv), wv[r]))
+#else
+#define MM_WDECL mm_v32qi wq[RPI];
+#define MM_WPREP(r) { mm_v16qu b16 = ((const __global mm_u16qu *)(WBLK(r, kb) + 2))->v; \
+    mm_v16qu lo = b16 & (uchar)15, hi = (b16 >> (uchar)4) & (uchar)15; \
+    wq[r] = (mm_v32qi)__builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, \
+        16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
+#define MM_DOT(r, xv) MM_MADD(wq[r], (xv))
+#endif
+#else /* portable: widen to int and multiply */
+#define MM_I16(v) __builtin_convertvector((v), int16)   /* not convert_int16: see mm_quantize_block */
+typedef struct { char16 a, b; } mm_v32qi;
+#define MM_XV(p) ((mm_v32qi){*(const __local char16 *)(p), *(const __local char16 *)((p) + 16)})
+#if defined(WEIGHT_Q8_0)
+#define MM_WDECL int16 wa[RPI], wb[RPI];
+#define MM_WPREP(r) { wa[r] = MM_I16(loom_ld_char16((const __global char *)(WBLK(r, kb) + 2))); \
+    wb[r] = MM_I16(loom_ld_char16((const __global char *)(WBLK(r, kb) + 18))); }
+#else
+#define MM_WDECL int16 wa[RPI], wb[RPI];
+#define MM_WPREP(r) { uchar16 b16 = loom_ld_uchar16(WBLK(r, kb) + 2); \
+    wa[r] = MM_I16(b16 & (uchar)15); wb[r] = MM_I16(b16 >> (uchar)4); }
+#endif
+inline int8 mm_dot(int16 wa, int16 wb, mm_v32qi xv)
+{
+    int16 p = wa * MM_I16(xv.a) + wb * MM_I16(xv.b);
+    return p.lo + p.hi;
+}
+#define MM_DOT(r, xv) mm_dot(wa[r], wb[r], (xv))
+#endif
+
+/* One register tile over quantized activations (local memory, token-major:
+ * lq[j*K + k], ld[j*NB + b], ls[j*NB + b] for tile token j). */
+__attribute__((always_inline)) inline void mm_tile_q(
+    const __local char *lq, const __local float *ld, const __local int *ls,
+    const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
+    int n0, int t0, const int nt)
+{
+    const __global WTYPE *wrow[RPI];
+    #pragma unroll
+    for (int r = 0; r < RPI; r++)
+        wrow[r] = W + (size_t)(n0 + r < N ? n0 + r : N - 1) * ROW_STRIDE;
+    float8 acc[RPI][TPI];
+    #pragma unroll
+    for (int r = 0; r < RPI; r++)
+        #pragma unroll
+        for (int j = 0; j < TPI; j++)
+            acc[r][j] = (float8)(0.0f);
+
+    for (int kb = 0; kb < K; kb += LOOM_QK) {
+        const int b = kb / LOOM_QK;
+        float dw[RPI];
+        MM_WDECL
+        #pragma unroll
+        for (int r = 0; r < RPI; r++) {
+            dw[r] = loom_block_scale_finite(WBLK(r, kb));
+            MM_WPREP(r)
+        }
+        #pragma unroll
+        for (int j = 0; j < TPI; j++) {
+            if (j < nt) {
+                mm_v32qi xv = MM_XV(lq + j * K + kb);
+                float dx = ld[j * NB + b];
+#ifdef WEIGHT_Q4_0
+                int8 corr = (int8)(-8 * ls[j * NB + b], 0, 0, 0, 0, 0, 0, 0);
+#endif
+                #pragma unroll
+                for (int r = 0; r < RPI; r++) {
+                    int8 s = MM_DOT(r, xv);
+#ifdef WEIGHT_Q4_0
+                    s += corr;
+#endif
+                    acc[r][j] += convert_float8(s) * (dw[r] * dx);
+                }
+            }
+        }
+    }
+
+    #pragma unroll
+    for (int r = 0; r < RPI; r++) {
+        int n = n0 + r;
+        #pragma unroll
+        for (int j = 0; j < TPI; j++) {
+            if (j < nt && n < N) {
+                float s = loom_hsum8(acc[r][j]);
+#ifdef HAS_BIAS
+                s += bias[n];
+#endif
+                __global float *y = Y + (size_t)(t0 + j) * ldy + n;
+#ifdef ACCUMULATE
+                s += *y;
+#endif
+                *y = s;
+            }
+        }
+    }
+}
+#endif /* ACT_Q8 */
+
 #if TPI > 16
 #error "matmul.cl: TOKENS_PER_ITEM must be at most 16"
 #endif
 /* A tail of nt < TPI tokens (cases nt >= TPI are dead and fold away). */
 #define MM_TAIL(nt) case nt: if (nt < TPI) mm_tile(X, ldx, W, bias, Y, ldy, n0, t0, nt); break;
+
+#define MM_TAIL_Q(nt) case nt: if (nt < TPI) mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, t0, nt); break;
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void matmul(const __global float *X, int x_off, int ldx,
@@ -211,12 +386,38 @@ void matmul(const __global float *X, int x_off, int ldx,
             int T)
 {
     const int n0 = get_global_id(0) * RPI;
+#ifdef ACT_Q8
+    /* no early exit: every work-item reaches the barriers (rows >= N skip stores) */
+    __local char lq[TPI * K] __attribute__((aligned(32)));
+    __local float ld[TPI * NB];
+    __local int ls[TPI * NB];
+    const int lid = get_local_id(0);
+#else
     if (n0 >= N)
         return;
+#endif
     X += x_off;
     Y += y_off;
     const int tstride = get_global_size(1) * TPI;
     for (int t0 = get_global_id(1) * TPI; t0 < T; t0 += tstride) {
+#ifdef ACT_Q8
+        const int ntile = T - t0 < TPI ? T - t0 : TPI;
+        barrier(CLK_LOCAL_MEM_FENCE);                  /* the previous tile's reads are done */
+        for (int i = lid; i < ntile * NB; i += WG) {
+            int j = i / NB, b = i - j * NB;
+            mm_quantize_block(X + (size_t)(t0 + j) * ldx + b * LOOM_QK, lq + j * K + b * LOOM_QK,
+                              ld + j * NB + b, ls + j * NB + b);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (ntile == TPI) {
+            mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, t0, TPI);
+        } else {
+            switch (ntile) {
+            MM_TAIL_Q(1) MM_TAIL_Q(2) MM_TAIL_Q(3) MM_TAIL_Q(4) MM_TAIL_Q(5) MM_TAIL_Q(6) MM_TAIL_Q(7)
+            MM_TAIL_Q(8) MM_TAIL_Q(9) MM_TAIL_Q(10) MM_TAIL_Q(11) MM_TAIL_Q(12) MM_TAIL_Q(13) MM_TAIL_Q(14) MM_TAIL_Q(15)
+            }
+        }
+#else
         if (t0 + TPI <= T) {
             mm_tile(X, ldx, W, bias, Y, ldy, n0, t0, TPI);
         } else {
@@ -226,5 +427,6 @@ void matmul(const __global float *X, int x_off, int ldx,
             MM_TAIL(8) MM_TAIL(9) MM_TAIL(10) MM_TAIL(11) MM_TAIL(12) MM_TAIL(13) MM_TAIL(14) MM_TAIL(15)
             }
         }
+#endif
     }
 }

@@ -149,6 +149,32 @@ def quantize_q4_0(w):
     return raw.reshape(n, -1), deq.reshape(n, k)
 
 
+def quantize_activations_q8(x):
+    """matmul.cl's ACT_Q8 activation quantization, [T, K] float32 (K % 32 == 0) ->
+    (q int8 [T, K/32, 32], d float32 [T, K/32]): per 32-element block
+    d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where d = 0), in float32."""
+    b = np.asarray(x, np.float32).reshape(len(x), -1, QK)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.rint(b * inv[..., None]).astype(np.int8)
+    return q, d
+
+
+def act_q8_matmul(x, wraw, kind, n, k):
+    """The ACT_Q8 matmul from raw Q8_0/Q4_0 bytes, float64: per block an exact
+    integer dot of int8 activations and weights, scaled by d_w * d_x."""
+    qx, dx = quantize_activations_q8(x)
+    raw = np.asarray(wraw, np.uint8).reshape(n, k // QK, -1)
+    dw = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if kind == "Q8_0":
+        qw = raw[:, :, 2:].copy().view(np.int8).astype(np.int64)
+    else:
+        nib = raw[:, :, 2:].astype(np.int64)
+        qw = np.concatenate([nib & 15, nib >> 4], axis=-1) - 8
+    isum = np.einsum("tbk,nbk->tnb", qx.astype(np.int64), qw)      # exact int32-range sums
+    return (isum * (dw[None] * dx[:, None].astype(np.float64))).sum(axis=-1)
+
+
 def make_weights(kind, w):
     """(device bytes, float64 matrix the kernel must multiply by)."""
     if kind == "F32":
@@ -281,6 +307,57 @@ def test_matmul_cohort_tails(env, kind):
             for t in range(1, 19 if geometry[1] == 16 else 10):
                 got = run_matmul(env, kind, n, k, x[:t], wraw, y0=y0[:t], geometry=geometry)
                 assert_close(got, y0[:t] + x[:t].astype(np.float64) @ wref.T, REL[kind])
+
+
+ACT_Q8_CASES = [
+    # (N, K, geometry, bias, accumulate): llama.loom's T <= 2 choice, cohort and
+    # prefill tiles, odd tiles, a long K
+    (37, 96, (1, 1, 64, 16), False, False),
+    (70, 4864, (1, 2, 64, 16), True, True),
+    (19, 896, (2, 4, 8, 8), True, False),
+    (5, 64, (3, 3, 2, 4), False, True),
+]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("case", range(len(ACT_Q8_CASES)))
+def test_matmul_act_q8_matches_integer_reference(env, kind, case, portable):
+    """ACT_Q8: activations quantized to int8 per block inside the kernel, integer
+    block dots. Checked tightly against the numpy integer reference (only the
+    float32 scaling and summation differ), every T up to 18 (all tails) for the
+    first two cases; and within the rounding bound of the float product. Both
+    integer dots: the AVX2 one (x86 CPUs) and the portable one (MM_PORTABLE)."""
+    n, k, geometry, has_bias, accumulate = ACT_Q8_CASES[case]
+    w = random_weights(60 + case, n, k)
+    wraw, wref = make_weights(kind, w)
+    r = rng(70 + case)
+    x = r.standard_normal((18, k)).astype(np.float32)
+    x[0, :QK] = 0.0                       # an all-zero activation block (d = 0)
+    x[1, 5] = 40.0                        # one dominant element: most q near 0
+    bias = r.standard_normal(n).astype(np.float32) if has_bias else None
+    y0 = r.standard_normal((18, n)).astype(np.float32) if accumulate else None
+    for t in list(range(1, 19)) if case < 2 else (1, 2, 5, 18):
+        ref = act_q8_matmul(x[:t], wraw, kind, n, k)
+        exact = x[:t].astype(np.float64) @ wref.T
+        extra = (bias if has_bias else 0.0) + (y0[:t] if accumulate else 0.0)
+        got = run_matmul(env, kind, n, k, x[:t], wraw, bias, None if y0 is None else y0[:t], geometry,
+                         extra={"ACT_Q8": True, "MM_PORTABLE": portable})
+        assert_close(got - extra, ref, 2e-6)
+        # against the float product: each activation is off by at most d_x / 2
+        dx = quantize_activations_q8(x[:t])[1].astype(np.float64)
+        bound = 0.5 * np.einsum("tb,nb->tn", dx, np.abs(wref).reshape(n, k // QK, QK).sum(-1))
+        assert np.all(np.abs(got - extra - exact) <= bound + 1e-5 * np.abs(exact).max())
+
+
+def test_act_q8_reference_quantizer():
+    """The numpy activation quantizer on a hand-checked block: round half to even."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :5] = [127.0, -63.5, 0.5, 1.5, -2.5]
+    q, d = quantize_activations_q8(x)
+    assert d[0, 0] == np.float32(1.0)
+    assert list(q[0, 0, :5]) == [127, -64, 0, 2, -2]
+    assert not quantize_activations_q8(np.zeros((1, 32), np.float32))[0].any()
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from test_kernels import quantize_activations_q8
 from test_runtime import q4_0, q8_0
 
 gguf = pytest.importorskip("gguf")
@@ -177,16 +178,41 @@ def rope(x, positions, neox):
     return out
 
 
-def forward(weights, arch, tokens, fmt="gguf", hidden=False):
+def act_q8(dtype, steps, rows=1):
+    """Which matmul inputs llama.loom quantizes to int8 (ACT_Q8: Q8_0/Q4_0 weights in
+    steps of T <= 2 tokens) for a row prefilled/decoded in steps of `steps` tokens
+    whose last step had `rows` rows: forward()'s act_q8 argument (token mask, head)."""
+    quantized = dtype in ("Q8_0", "Q4_0")
+    mask = np.concatenate([np.full(t, quantized and t <= 2) for t in steps])
+    return mask, quantized and rows <= 2
+
+
+def q8_activations(x):
+    """x as the ACT_Q8 matmul sees it: float32, quantized per 32-block, dequantized
+    (an integer block dot scaled by d_w * d_x equals this times the weights)."""
+    q, d = quantize_activations_q8(np.asarray(x, np.float32))
+    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(np.shape(x))
+
+
+def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None):
     """Logits of the last token, float64, the straightforward way; with hidden=True,
-    every token's final hidden state after the output norm instead, [T, D]."""
+    every token's final hidden state after the output norm instead, [T, D].
+    act_q8: (token mask, head) from act_q8(): those tokens' matmul inputs (and the
+    head's) are int8-quantized first, as the kernels do."""
     W = {k: v.astype(np.float64) for k, v in weights.items()}
+    mask, head_q8 = act_q8 if act_q8 is not None else (np.zeros(len(tokens), bool), False)
+
+    def lin(h, name):
+        if mask.any():
+            h = h.copy()
+            h[mask] = q8_activations(h[mask])
+        return h @ W[name].T
     x = W["token_embd.weight"][tokens]
     positions = np.arange(len(tokens), dtype=np.float64)
     neox = arch != "llama" or fmt != "gguf"   # HF checkpoints rotate halves; GGUF llama weights are permuted
     for i in range(L):
         h = rms(x, W[f"blk.{i}.attn_norm.weight"])
-        q, k, v = (h @ W[f"blk.{i}.attn_{p}.weight"].T for p in "qkv")
+        q, k, v = (lin(h, f"blk.{i}.attn_{p}.weight") for p in "qkv")
         if arch == "qwen2":
             q, k, v = (m + W[f"blk.{i}.attn_{p}.bias"] for m, p in zip((q, k, v), "qkv"))
         q, k, v = q.reshape(-1, H, DH), k.reshape(-1, HKV, DH), v.reshape(-1, HKV, DH)
@@ -200,14 +226,15 @@ def forward(weights, arch, tokens, fmt="gguf", hidden=False):
             scores += np.triu(np.full(scores.shape, -np.inf), 1)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[:, head] = (p / p.sum(-1, keepdims=True)) @ v[:, g]
-        x = x + out.reshape(len(tokens), -1) @ W[f"blk.{i}.attn_output.weight"].T
+        x = x + lin(out.reshape(len(tokens), -1), f"blk.{i}.attn_output.weight")
         h = rms(x, W[f"blk.{i}.ffn_norm.weight"])
-        gate, up = h @ W[f"blk.{i}.ffn_gate.weight"].T, h @ W[f"blk.{i}.ffn_up.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ W[f"blk.{i}.ffn_down.weight"].T
+        gate, up = lin(h, f"blk.{i}.ffn_gate.weight"), lin(h, f"blk.{i}.ffn_up.weight")
+        x = x + lin(gate / (1 + np.exp(-gate)) * up, f"blk.{i}.ffn_down.weight")
     if hidden:
         return rms(x, W["output_norm.weight"])
     head = W.get("output.weight", W["token_embd.weight"])
-    return rms(x[-1], W["output_norm.weight"]) @ head.T
+    last = rms(x[-1], W["output_norm.weight"])
+    return (q8_activations(last[None])[0] if head_q8 else last) @ head.T
 
 
 # -- running the package --------------------------------------------------------------
@@ -259,7 +286,7 @@ def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt):
             rows = Rows(prepared, 1)
             for start in range(0, n, 64):
                 logits = rows.step([(0, tokens[start:start + 64])])[0]
-            want = forward(weights, arch, tokens, fmt)
+            want = forward(weights, arch, tokens, fmt, act_q8=act_q8(dtype, [min(64, n - s) for s in range(0, n, 64)]))
             scale = np.abs(want).max()
             assert np.abs(logits - want).max() <= 1e-4 * scale, (n, np.abs(logits - want).max(), scale)
     finally:
@@ -354,7 +381,7 @@ def test_long_prompt_in_chunks_crosses_pages(qwen2_q8):
     prompt = np.random.default_rng(3).integers(0, V, 257).tolist()
     for start in range(0, 257, 64):
         logits = rows.step([(0, prompt[start:start + 64])])
-    want = forward(weights, "qwen2", prompt)
+    want = forward(weights, "qwen2", prompt, act_q8=act_q8("Q8_0", [64, 64, 64, 64, 1]))
     assert np.abs(logits[0] - want).max() <= 1e-4 * np.abs(want).max()
 
 
@@ -437,7 +464,7 @@ def test_encode_matches_numpy(sequence_models, arch, dtype, fmt):
     for n in (1, 37):
         tokens = rng.integers(0, V, n).tolist()
         got = halves(Rows(prepared, 1).encode([(0, tokens)]))
-        want = forward(weights, arch, tokens, fmt, hidden=True)
+        want = forward(weights, arch, tokens, fmt, hidden=True, act_q8=act_q8(dtype, [n]))
         assert got.shape == want.shape == (n, D)
         # f16 keeps 11 significant bits (relative rounding error <= 2^-11); the f32
         # forward pass itself agrees with float64 to ~1e-5 of the largest value.
@@ -474,11 +501,14 @@ def test_encode_writes_the_kv_cache_advance_continues(sequence_models, arch, dty
     prepared, weights = sequence_models(arch, dtype, fmt)
     tokens = np.random.default_rng(5).integers(0, V, 41).tolist()
     whole = Rows(prepared, 1).step([(0, tokens)])[0]
-    want = forward(weights, arch, tokens, fmt)
+    want = forward(weights, arch, tokens, fmt, act_q8=act_q8(dtype, [41]))
     assert np.abs(whole - want).max() <= 1e-4 * np.abs(want).max()
     for n in (1, 16, 29, 40):        # page-aligned and not; the continuation is a prefill chunk or one token
         rows = Rows(prepared, 1)
         rows.encode([(0, tokens[:n])])
         logits = rows.step([(0, tokens[n:])])[0]
-        assert np.abs(logits - whole).max() <= 1e-5 * np.abs(whole).max(), (n, np.abs(logits - whole).max())
-        assert np.abs(logits - want).max() <= 1e-4 * np.abs(want).max(), n
+        steps = act_q8(dtype, [n, 41 - n])
+        if not steps[0].any():       # the whole prompt's arithmetic (a step of T <= 2 quantizes with ACT_Q8)
+            assert np.abs(logits - whole).max() <= 1e-5 * np.abs(whole).max(), (n, np.abs(logits - whole).max())
+        want_n = forward(weights, arch, tokens, fmt, act_q8=steps)
+        assert np.abs(logits - want_n).max() <= 1e-4 * np.abs(want_n).max(), n
