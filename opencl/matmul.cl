@@ -210,6 +210,14 @@ __attribute__((always_inline)) inline void mm_tile(
     }
 }
 
+/* Vector conversions for ACT_Q8: clang's builtin where the compiler is clang (PoCL's
+ * convert_* of int vectors miscompiled), the OpenCL C built-in elsewhere. */
+#if defined(__clang__)
+#define MM_CVT(v, type) __builtin_convertvector((v), type)
+#else
+#define MM_CVT(v, type) convert_##type(v)
+#endif
+
 #ifdef ACT_Q8
 /* ---- int8 activations (ACT_Q8): the llama.cpp scheme ----
  * Each work-group quantizes the TPI tokens of its current tile into local
@@ -241,9 +249,9 @@ __attribute__((always_inline)) inline void mm_quantize_block(
     float16 va = a * id, vb = b * id;
     int16 qa = as_int16(va + 12582912.0f) - 0x4B400000;
     int16 qb = as_int16(vb + 12582912.0f) - 0x4B400000;
-    /* __builtin_convertvector: PoCL 3.0's convert_char16(int16) returned zeros here */
-    *(__local char16 *)q = __builtin_convertvector(qa, char16);
-    *(__local char16 *)(q + 16) = __builtin_convertvector(qb, char16);
+    /* MM_CVT: PoCL 3.0's convert_char16(int16) returned zeros here */
+    *(__local char16 *)q = MM_CVT(qa, char16);
+    *(__local char16 *)(q + 16) = MM_CVT(qb, char16);
     *d = dx;
 #ifdef WEIGHT_Q4_0
     int16 t16 = qa + qb;
@@ -282,7 +290,7 @@ typedef struct __attribute__((packed)) { mm_v16qu v; } mm_u16qu;
 #define MM_DOT(r, xv) MM_MADD(wq[r], (xv))
 #endif
 #else /* portable: widen to int and multiply */
-#define MM_I16(v) __builtin_convertvector((v), int16)   /* not convert_int16: see mm_quantize_block */
+#define MM_I16(v) MM_CVT((v), int16)   /* not convert_int16 on PoCL: see mm_quantize_block */
 typedef struct { char16 a, b; } mm_v32qi;
 #define MM_XV(p) ((mm_v32qi){*(const __local char16 *)(p), *(const __local char16 *)((p) + 16)})
 #if defined(WEIGHT_Q8_0)
