@@ -267,6 +267,8 @@ def main():
     ap.add_argument("--rows", default="1,2,4,8", help="batched decode: rows per step")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times for the smallest and largest R")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--int8", action="store_true",
+                    help="the package's int8_activations option (Q8_0/Q4_0: int8 activations at every T)")
     args = ap.parse_args()
     device = Device(args.device)
     compiler = Compiler(device, run_now)
@@ -278,7 +280,8 @@ def main():
     for dtype in args.dtypes.split(","):
         path = checkpoint(dtype)
         prepared = runtime.prepare(f"bench-{dtype}", [SOURCE], path,
-                                   {"pages": max(rows, default=1) * CTX // PAGE, "page_size": PAGE, "context_length": CTX}, device, compiler)
+                                   {"pages": max(rows, default=1) * CTX // PAGE, "page_size": PAGE,
+                                    "context_length": CTX, "int8_activations": args.int8}, device, compiler)
         try:
             weight_bytes = prepared.param_bytes() - prepared.params[("embd", None)].capacity  # rows gathered, not read
             prompt = list(np.random.default_rng(1).integers(0, SHAPE["V"], 128))
