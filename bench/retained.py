@@ -10,6 +10,9 @@ both alike; the whole conversation runs once unmeasured first, so no turn pays
 for compiling a new chunk shape. The deployment has no prefix cache, and named
 sessions take no part in automatic idle-row reuse: the cold turns must report
 cached_tokens 0 (a warning line says so if not, or if greedy replies differ).
+Then the finished conversation is pinned as a checkpoint (elastic backing): a
+branch from it is timed while resident, after suspension into host memory
+(the suspension itself is timed too), and as a cold replay.
 
 The model is bench/llama.py's random-weight Q8_0 GGUF shaped like Qwen2.5-0.5B
 with a byte-level tokenizer (bench/text.py); by default with 8 of its 24
@@ -62,11 +65,14 @@ def checkpoint(dtype, layers):
 
 def post(port, path, body, headers=None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    if body is None:
+        conn.request("POST", path, b"", headers or {})
+    else:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     data = json.loads(resp.read())
     conn.close()
-    if resp.status != 200:
+    if resp.status not in (200, 201):
         raise RuntimeError(f"{path}: {resp.status} {data}")
     return data
 
@@ -84,14 +90,16 @@ def user_turn(port, turn, target):
         text = candidate
 
 
-def stream(port, messages, max_tokens, session):
+def stream(port, messages, max_tokens, session, checkpoint=None):
     """(seconds to the first content token, the reply's text, usage) for one streamed turn."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    headers = {"Content-Type": "application/json", "X-Loom-Session": session}
+    if checkpoint is not None:
+        headers["X-Loom-Checkpoint"] = checkpoint
     start = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json", "X-Loom-Session": session})
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"chat completion: {resp.status} {resp.read()[:500]!r}")
@@ -127,7 +135,7 @@ def stream(port, messages, max_tokens, session):
 def conversation(port, turns, max_tokens, name, show=False):
     """Each turn under session `name`-reuse, then the same messages under a fresh
     `name`-cold-<turn>; the reuse reply joins the history. ([(ttft reuse, ttft cold)],
-    turns whose replies differ, turns whose usage is not as expected)."""
+    turns whose replies differ, turns whose usage is not as expected, the history)."""
     messages, rows, differs, unexpected = [], [], [], []
     for turn, content in enumerate(turns, 1):
         messages.append({"role": "user", "content": content})
@@ -144,7 +152,35 @@ def conversation(port, turns, max_tokens, name, show=False):
             print(f"{turn:4} {usage_r['prompt_tokens']:10} {cached_r:12} {cached_c:11} {ttft_r * 1000:13.1f} "
                   f"{ttft_c * 1000:12.1f} {ttft_c / ttft_r:7.2f}x", flush=True)
         messages.append({"role": "assistant", "content": reply_r})
-    return rows, differs, unexpected
+    return rows, differs, unexpected, messages
+
+
+def checkpoints(port, messages, question, max_tokens):
+    """Pin the finished conversation's session, then time a branch from it while resident,
+    the suspension into host memory, a branch from the suspended endpoint (warmed back into
+    new pages) and a cold replay of the same branch."""
+    control = {"X-Loom-Model": "bench"}
+    pinned = post(port, "/v1/checkpoints/bench-end", None, dict(control, **{"X-Loom-Session": "bench-reuse"}))
+    branch = messages + [{"role": "user", "content": question}]
+    resident, reply_a, usage_a = stream(port, branch, max_tokens, "branch-resident", "bench-end")
+    start = time.perf_counter()
+    parked = post(port, "/v1/checkpoints/bench-end/suspend", None, control)
+    suspend = time.perf_counter() - start
+    warmed, reply_b, usage_b = stream(port, branch, max_tokens, "branch-suspended", "bench-end")
+    cold, reply_c, _ = stream(port, branch, max_tokens, "branch-cold")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("DELETE", "/v1/checkpoints/bench-end", headers=control)
+    conn.getresponse().read()
+    conn.close()
+    mb = parked["host_snapshot_bytes"] / 1e6
+    print(f"\ncheckpoint of the finished conversation: {pinned['position']} positions")
+    print(f"  suspend to host memory   {suspend * 1000:8.1f} ms  ({mb:.1f} MB, {mb / suspend:.0f} MB/s)")
+    print(f"  branch TTFT, resident    {resident * 1000:8.1f} ms  (cached {usage_a['prompt_tokens_details']['cached_tokens']})")
+    print(f"  branch TTFT, suspended   {warmed * 1000:8.1f} ms  (cached {usage_b['prompt_tokens_details']['cached_tokens']}, "
+          f"warmed back into new pages)")
+    print(f"  branch TTFT, cold replay {cold * 1000:8.1f} ms")
+    if not reply_a == reply_b == reply_c:
+        print("WARNING: greedy branch replies differ between resident, suspended and cold")
 
 
 def serve(catalog):
@@ -189,7 +225,7 @@ def main():
         json.dump([{"model": "bench", "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
                     "checkpoint": gguf, "base_directory": folder, "rows": 2, "context_length": 4096,
                     "max_output_tokens": 512, "session_cache_capacity": 2, "prefix_cache_capacity": 0,
-                    "options": {"chat": "chatml"}}], f)
+                    "checkpoint_capacity": 1, "checkpoint_backing": "elastic", "options": {"chat": "chatml"}}], f)
     proc, port = serve(catalog)
     try:
         turns = [user_turn(port, turn, args.words) for turn in range(1, args.turns + 1)]
@@ -201,7 +237,7 @@ def main():
               f"rows 2, no prefix cache\n")
         print(f"{'turn':>4} {'prompt tok':>10} {'cached reuse':>12} {'cached cold':>11} {'TTFT reuse ms':>13} "
               f"{'TTFT cold ms':>12} {'speed-up':>8}")
-        rows, differs, unexpected = conversation(port, turns, args.tokens, "bench", show=True)
+        rows, differs, unexpected, history = conversation(port, turns, args.tokens, "bench", show=True)
         later = rows[1:]
         mean = sum(c / r for r, c in later) / len(later) if later else float("nan")
         print(f"\nturn {args.turns}: {rows[-1][1] / rows[-1][0]:.2f}x faster to first token with reuse; "
@@ -211,6 +247,7 @@ def main():
         if unexpected:
             print(f"WARNING: unexpected usage (cold cached_tokens != 0, reuse cached_tokens == 0 after turn 1, "
                   f"or prompt_tokens differing) at turns {unexpected}")
+        checkpoints(port, history, user_turn(port, args.turns + 1, args.words), args.tokens)
     except Exception:
         if proc.poll() is not None:
             print(f"the server exited ({proc.returncode}); its last lines:\n{''.join(proc.log)}", file=sys.stderr)
