@@ -31,13 +31,10 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import http.client  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("text_bench", os.path.join(HERE, "text.py"))
@@ -183,32 +180,6 @@ def checkpoints(port, messages, question, max_tokens):
         print("WARNING: greedy branch replies differ between resident, suspended and cold")
 
 
-def serve(catalog):
-    """A `python -m loom` on a free port, ready: (process, port)."""
-    proc = subprocess.Popen([sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--models", catalog],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    port = None
-    for line in proc.stderr:
-        if "listening on tcp:" in line:
-            port = int(line.rsplit(":", 1)[1])
-            break
-    if port is None:
-        raise RuntimeError(f"the server exited ({proc.wait()}) before listening")
-    proc.log = collections.deque(maxlen=40)   # the server's last lines, shown if it dies
-    threading.Thread(target=lambda: proc.log.extend(proc.stderr), daemon=True).start()
-    while True:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/readyz")
-            if conn.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready")
-        time.sleep(0.2)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8, help="of the 0.5B shape's 24 (default 8)")
@@ -226,7 +197,7 @@ def main():
                     "checkpoint": gguf, "base_directory": folder, "rows": 2, "context_length": 4096,
                     "max_output_tokens": 512, "session_cache_capacity": 2, "prefix_cache_capacity": 0,
                     "checkpoint_capacity": 1, "checkpoint_backing": "elastic", "options": {"chat": "chatml"}}], f)
-    proc, port = serve(catalog)
+    proc, port = text_bench.serve(catalog)
     try:
         turns = [user_turn(port, turn, args.words) for turn in range(1, args.turns + 1)]
         # Warm: the whole conversation once, unmeasured, so every prefill chunk length and

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import http.client  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -96,6 +97,32 @@ def steady(chunks, results):
     return tokens / (hi - lo)
 
 
+def serve(catalog):
+    """A `python -m loom` on a free port, ready: (process, port)."""
+    proc = subprocess.Popen([sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--models", catalog],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    port = None
+    for line in proc.stderr:
+        if "listening on tcp:" in line:
+            port = int(line.rsplit(":", 1)[1])
+            break
+    if port is None:
+        raise RuntimeError(f"the server exited ({proc.wait()}) before listening")
+    proc.log = collections.deque(maxlen=40)   # the server's last lines, shown if it dies
+    threading.Thread(target=lambda: proc.log.extend(proc.stderr), daemon=True).start()
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready")
+        time.sleep(0.2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="Q8_0")
@@ -109,24 +136,8 @@ def main():
         json.dump([{"model": "bench", "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
                     "checkpoint": gguf, "base_directory": folder, "rows": 8, "context_length": 1024,
                     "max_output_tokens": 512, "options": {"chat": "chatml"}}], f)
-    proc = subprocess.Popen([sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--models", catalog],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    port = None
-    for line in proc.stderr:
-        if "listening on tcp:" in line:
-            port = int(line.rsplit(":", 1)[1])
-            break
+    proc, port = serve(catalog)
     try:
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/readyz")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
         prompt = "The quick brown fox jumps over the lazy dog. " * 3  # about 128 tokens with the framing
         stream(port, prompt, 4)                                        # warm: compile every shape
         stream(port, "x", 4)
