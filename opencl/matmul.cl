@@ -132,6 +132,18 @@
 #endif
 #define NACC (ACCS < KSTEP / VW ? ACCS : KSTEP / VW)
 
+/* One output: bias and residual add, then the store (every path ends here). */
+inline void mm_store(const __global float *bias, __global float *y, int n, float s)
+{
+#ifdef HAS_BIAS
+    s += bias[n];
+#endif
+#ifdef ACCUMULATE
+    s += *y;
+#endif
+    *y = s;
+}
+
 /* One register tile: RPI rows from n0 x nt tokens from t0. nt is a literal at
  * each call site, so after inlining the token loops have constant trip counts. */
 __attribute__((always_inline)) inline void mm_tile(
@@ -197,14 +209,7 @@ __attribute__((always_inline)) inline void mm_tile(
 #endif
                 }
 #endif
-#ifdef HAS_BIAS
-                s += bias[n];
-#endif
-                __global float *y = Y + (size_t)(t0 + j) * ldy + n;
-#ifdef ACCUMULATE
-                s += *y;
-#endif
-                *y = s;
+                mm_store(bias, Y + (size_t)(t0 + j) * ldy + n, n, s);
             }
         }
     }
@@ -364,14 +369,7 @@ __attribute__((always_inline)) inline void mm_tile_q(
         for (int j = 0; j < TPI; j++) {
             if (j < nt && n < N) {
                 float s = loom_hsum8(acc[r][j]);
-#ifdef HAS_BIAS
-                s += bias[n];
-#endif
-                __global float *y = Y + (size_t)(t0 + j) * ldy + n;
-#ifdef ACCUMULATE
-                s += *y;
-#endif
-                *y = s;
+                mm_store(bias, Y + (size_t)(t0 + j) * ldy + n, n, s);
             }
         }
     }
