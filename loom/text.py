@@ -200,7 +200,7 @@ def _validated(server, request):
     return body, reg, policy, prompt
 
 
-SESSION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+SESSION_NAME = registry.NAME   # sessions and checkpoints are named like deployments
 
 
 def _name_header(request, header):
