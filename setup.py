@@ -23,7 +23,11 @@ setup(
         "pyopencl>=2023.1",
         "pillow>=10",
         "soundfile>=0.12",
-        "pocl-binary-distribution>=3.0",
+        # Intel's OpenCL CPU runtime: the preferred CPU driver on x86-64 (docs/operations.md,
+        # "OpenCL drivers"); loom.device points the ICD loader at it. pyopencl's wheel bundles
+        # a PoCL 3.0 whose LLVM does not know new CPUs (Zen 5), so it cannot be the only driver.
+        'intel-opencl-rt==2026.2.0; platform_machine == "x86_64" and sys_platform == "linux"',
+        'intel-cmplr-lib-rt==2026.2.0; platform_machine == "x86_64" and sys_platform == "linux"',
     ],
     extras_require={
         "test": [

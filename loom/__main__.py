@@ -30,8 +30,12 @@ def parser():
                    help="model catalog to register at start: a JSON list of model documents (or {\"models\": [...]}); "
                         "relative base_directory values resolve against the file's folder")
     p.add_argument("--device", metavar="SELECTOR",
-                   help="OpenCL device: cpu, gpu, a flat index N, P:D (platform:device) or part of its name. "
-                        "Default: the first GPU, else the CPU (PoCL)")
+                   help="OpenCL device: cpu, gpu, a flat index N, P:D (platform:device), a driver (intel, pocl) or part of its name "
+                        "(see --list-devices). Default: the best usable GPU, else the best usable CPU driver. "
+                        "A device that fails its probe is never chosen; naming one fails start (exit 2)")
+    p.add_argument("--list-devices", action="store_true",
+                   help="probe every OpenCL device, print the table (* marks the default choice) and exit: "
+                        "0 when one is usable, else 2")
     p.add_argument("--memory_bytes", type=_positive_int,
                    help="bound on device memory for every buffer (weights, state, workspace). "
                         "Default: 80%% of the device's global memory")
@@ -63,8 +67,23 @@ def parser():
     return p
 
 
+def list_devices(selector):
+    from .device import NoUsableDevice, format_devices, list_devices, select_device
+    devices = list_devices()
+    try:
+        chosen = select_device(devices, selector)
+    except NoUsableDevice as e:
+        print(format_devices(devices))
+        print(f"loom: {e}", file=sys.stderr)
+        return 2
+    print(format_devices(devices, chosen))
+    return 0
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.list_devices:
+        return list_devices(args.device)
     config = Config(listen=args.listen or ["tcp:127.0.0.1:8080"],
                     request_body_bytes=args.request_body_bytes, header_bytes=args.header_bytes,
                     connections=args.connections, output_buffer_bytes=args.output_buffer_bytes,

@@ -1,16 +1,36 @@
-"""OpenCL device: selection, the context and its one queue, and the memory pool.
+"""OpenCL device: drivers and probing, selection, the context and its one queue, and the memory pool.
 
-    device = Device("cpu")                       # or None: first GPU, else first CPU
+    device = Device("cpu")                       # or None: the best usable GPU, else CPU
     buf = device.pool.alloc(a.nbytes, owner="scout", kind="params", host=a)
     device.upload(buf, a); out = device.download(buf, np.float32, a.size)
     pending = device.download_async(buf, np.int32, 4)   # poll pending.done() from the loop
     buf.release()
 
-Selection (``--device``): None picks the first GPU of any platform, else the
-first CPU (PoCL). A selector is "cpu", "gpu" or "accelerator" (the first of that
-type), a flat index "N" into :func:`list_devices`, "P:D" (platform index, device
-index within it) or a case-insensitive substring of the device name. Anything
-that matches nothing raises ValueError listing the devices that exist.
+Drivers: the ICD loader (the one bundled in pyopencl's wheel) finds drivers by
+the ``.icd`` files in /etc/OpenCL/vendors (or the folder OCL_ICD_VENDORS names),
+plus the PoCL bundled in the wheel. Intel's CPU runtime from PyPI
+(``intel-opencl-rt``, which make install adds on x86-64) ships an ``.icd`` file
+with a placeholder path, so :func:`arrange_loader` writes a private vendors
+folder naming it and every system driver, and points OCL_ICD_VENDORS at it,
+before pyopencl first enumerates platforms (the loader reads its configuration
+once per process). A user's own OCL_ICD_VENDORS is left alone: that is how an
+operator, or a benchmark, hides drivers from the loader.
+
+Probing: every device found is probed by building and running a small kernel
+(local memory, a barrier, f16 storage loads) whose result is checked; a device
+whose driver fails is skipped, with the reason (the build log's first lines or
+the wrong values) in its row. PoCL 3.0 from PyPI fails here on CPUs its LLVM
+does not know (``unknown target CPU 'generic'`` on Zen 5).
+
+Selection (``--device``): None picks the best usable GPU of any platform, else
+the best usable CPU, where best is ``DRIVER_PREFERENCE`` (measured, see
+docs/operations.md) then the newer driver version then enumeration order. A
+selector is "cpu", "gpu" or "accelerator" (the best usable of that type), a flat
+index "N" into :func:`list_devices`, "P:D" (platform index, device index within
+it), a driver family ("intel", "pocl", ...: the best usable device of that
+driver) or a case-insensitive substring of the device name (the best usable match).
+A selector that matches nothing, or only unusable devices, raises
+:class:`NoUsableDevice` naming what was tried and how to get a driver.
 
 Memory: every device buffer of the server comes from ``device.pool`` and is
 accounted by owner (a deployment name, "server", ...) and kind:
@@ -23,7 +43,7 @@ accounted by owner (a deployment name, "server", ...) and kind:
 The pool is bounded by ``memory_bytes`` (``--memory_bytes``). Its default is
 ``DEFAULT_MEMORY_FRACTION`` (80%) of the device's global memory: the rest is
 headroom for what the driver allocates outside our buffers (programs, queues,
-private and local memory) and, on PoCL, for the host process sharing that RAM.
+private and local memory) and, on CPU drivers, for the host process sharing that RAM.
 An allocation that does not fit first drops idle cached workspace, then asks
 the evictor (the residency manager) to free memory, then raises
 :class:`OutOfDeviceMemory`, which the server answers with 503.
@@ -46,17 +66,144 @@ the lock against a reservation, so accounting is exact at every instant.
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
+from pyopencl._cl import _Program
 
-__all__ = ["KINDS", "DEFAULT_MEMORY_FRACTION", "OutOfDeviceMemory", "DeviceBuffer", "MemoryPool",
-           "Transfer", "Device", "list_devices", "select_device"]
+__all__ = ["KINDS", "DEFAULT_MEMORY_FRACTION", "DRIVER_PREFERENCE", "OutOfDeviceMemory", "NoUsableDevice",
+           "DeviceBuffer", "MemoryPool", "Transfer", "Device", "arrange_loader", "list_devices",
+           "select_device", "format_devices"]
+
+log = logging.getLogger("loom.device")
 
 KINDS = ("params", "state", "workspace", "staging")
 DEFAULT_MEMORY_FRACTION = 0.8
 WORKSPACE_CACHE_BUFFERS = 256   # bound on idle workspace buffers kept for reuse
+
+# CPU drivers, best first. Measured side by side on one host (docs/operations.md,
+# "OpenCL drivers"): Intel's runtime ran bench/llama.py's F16 decode and
+# prefill faster than PoCL on the same kernels, Q8_0/Q4_0 about even.
+DRIVER_PREFERENCE = ("intel", "pocl")
+TYPE_ORDER = ("gpu", "cpu", "accelerator", "other")
+HOW_TO_GET_A_DRIVER = ("run `make install` in the Loom checkout (on x86-64 it installs Intel's OpenCL CPU "
+                       "runtime into .venv; as root on Debian/Ubuntu it also installs PoCL: "
+                       "`apt-get install pocl-opencl-icd`)")
+
+
+class NoUsableDevice(ValueError):
+    """No device matches the selector, or every match failed its probe: start fails (exit 2)."""
+
+
+# -- drivers and the ICD loader ----------------------------------------------
+
+_loader_lock = threading.Lock()
+_loader_arranged = False
+SYSTEM_VENDORS = "/etc/OpenCL/vendors"
+
+
+def _intel_runtime():
+    """libintelocl.so as pip installs it (intel-opencl-rt puts it in <prefix>/lib), or None."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        path = Path(prefix, "lib", "libintelocl.so")
+        if path.is_file():
+            return path
+    return None
+
+
+def arrange_loader() -> str | None:
+    """Make every installed driver visible to the ICD loader; once per process,
+    before the first enumeration. Returns the vendors folder it set, or None."""
+    global _loader_arranged
+    with _loader_lock:
+        if _loader_arranged:
+            return os.environ.get("OCL_ICD_VENDORS")
+        _loader_arranged = True
+        if os.environ.get("OCL_ICD_VENDORS"):
+            return None     # the operator chose what the loader sees
+        intel = _intel_runtime()
+        if intel is None:
+            return None     # the loader's own search finds every system driver
+        folder = tempfile.mkdtemp(prefix="loom-opencl-vendors-")
+        atexit.register(shutil.rmtree, folder, True)
+        system = Path(os.environ.get("OPENCL_VENDOR_PATH") or SYSTEM_VENDORS)
+        for icd in sorted(system.glob("*.icd")) if system.is_dir() else ():
+            # Intel's own (placeholder) files and copies of ours are replaced below.
+            if "intelocl" not in icd.name and icd.is_file():
+                Path(folder, icd.name).write_text(icd.read_text())
+        # Its libimf/libsvml/libtbb neighbours resolve through the library's RUNPATH ($ORIGIN).
+        Path(folder, "loom-intel-cpu.icd").write_text(f"{intel}\n")
+        os.environ["OCL_ICD_VENDORS"] = folder
+        return folder
+
+
+# -- probing -------------------------------------------------------------------
+
+PROBE_LANES = 8
+PROBE_ITEMS = 64
+PROBE_SOURCE = f"""
+#define LANES {PROBE_LANES}
+__kernel void loom_probe(__global const float* x, __global const half* h, __global float* y) {{
+    __local float s[LANES];
+    int i = get_global_id(0), l = get_local_id(0);
+    s[l] = x[i] * 2.0f + vload_half(i, h);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    y[i] = s[l] + s[(l + 1) % LANES];
+}}
+"""
+
+
+def _first_lines(text, lines=3, chars=300) -> str:
+    kept = [line.strip() for line in text.splitlines() if line.strip()][:lines]
+    return " | ".join(kept)[:chars]
+
+
+def _probe(dev) -> str | None:
+    """None when ``dev`` builds and runs the probe kernel correctly, else why not."""
+    x = np.arange(PROBE_ITEMS, dtype=np.float32) * 0.25 - 3.0
+    h = (np.arange(PROBE_ITEMS, dtype=np.float32) * 0.5).astype(np.float16)
+    s = (x * 2 + h.astype(np.float32)).reshape(-1, PROBE_LANES)
+    want = (s + np.roll(s, -1, axis=1)).reshape(-1)
+    try:
+        ctx = cl.Context([dev])
+    except cl.Error as e:
+        return f"no context: {_first_lines(str(e))}"
+    program = _Program(ctx, PROBE_SOURCE)   # the raw program: no pyopencl disk cache or warnings
+    try:
+        program._build(options=b"", devices=[dev])
+    except cl.Error as e:
+        try:
+            build_log = program.get_build_info(dev, cl.program_build_info.LOG)
+        except cl.Error:
+            build_log = ""
+        return f"kernel build failed: {_first_lines(build_log or str(e))}"
+    try:
+        queue = cl.CommandQueue(ctx)
+        mf = cl.mem_flags
+        xb = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)
+        hb = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=h)
+        yb = cl.Buffer(ctx, mf.WRITE_ONLY, x.nbytes)
+        kernel = cl.Kernel(program, "loom_probe")
+        kernel.set_args(xb, hb, yb)
+        cl.enqueue_nd_range_kernel(queue, kernel, (PROBE_ITEMS,), (PROBE_LANES,))
+        got = np.empty_like(x)
+        cl.enqueue_copy(queue, got, yb)
+        queue.finish()
+    except cl.Error as e:
+        return f"probe kernel did not run: {_first_lines(str(e))}"
+    if not np.array_equal(got, want):
+        bad = int(np.flatnonzero(got != want)[0])
+        return f"probe kernel computed wrong values (item {bad}: {got[bad]!r}, expected {want[bad]!r})"
+    return None
 
 
 # -- discovery and selection -----------------------------------------------
@@ -69,8 +216,33 @@ def _device_type(dev) -> str:
     return "other"
 
 
+def driver_family(platform_name: str) -> str:
+    """A short driver name for preference and package specialization: "pocl",
+    "intel", "nvidia", "amd", ... (the platform name's first word otherwise)."""
+    name = platform_name.lower()
+    for needle, family in (("portable computing language", "pocl"), ("pocl", "pocl"), ("intel", "intel"),
+                           ("nvidia", "nvidia"), ("amd", "amd"), ("rusticl", "rusticl"), ("clover", "clover")):
+        if needle in name:
+            return family
+    return re.sub(r"[^a-z0-9_]", "", name.split()[0]) if name.split() else "unknown"
+
+
+_probed = None
+_probed_lock = threading.Lock()
+
+
 def _enumerate() -> list:
-    """[(cl.Device, info dict)] for every device of every platform, in flat order."""
+    """[(cl.Device, info dict)] for every device of every platform, in flat order,
+    each probed once per process (rows carry ``usable`` and ``reason``)."""
+    global _probed
+    with _probed_lock:
+        if _probed is None:
+            _probed = _discover()
+        return _probed
+
+
+def _discover() -> list:
+    arrange_loader()
     try:
         platforms = cl.get_platforms()
     except cl.Error:  # no ICD installed at all
@@ -83,10 +255,13 @@ def _enumerate() -> list:
             continue
         for d, dev in enumerate(devices):
             extensions = sorted(dev.extensions.split())
-            found.append((dev, {
+            platform_name = platform.name.strip()
+            info = {
                 "index": len(found),
                 "platform": p,
-                "platform_name": platform.name.strip(),
+                "platform_name": platform_name,
+                "platform_version": platform.version.strip(),
+                "driver": driver_family(platform_name),
                 "device": d,
                 "name": dev.name.strip(),
                 "type": _device_type(dev),
@@ -99,41 +274,80 @@ def _enumerate() -> list:
                 "fp16": "cl_khr_fp16" in extensions,
                 "fp64": "cl_khr_fp64" in extensions,
                 "extensions": extensions,
-            }))
+            }
+            try:
+                reason = _probe(dev)
+            except Exception as e:  # a driver fault of any kind disqualifies that device only
+                reason = f"probe raised {type(e).__name__}: {_first_lines(str(e))}"
+            info["usable"], info["reason"] = reason is None, reason
+            found.append((dev, info))
     return found
 
 
 def list_devices() -> list:
-    """Every OpenCL device as a JSON-ready dict (see ``_enumerate`` for the fields)."""
+    """Every OpenCL device as a JSON-ready dict (see ``_discover`` for the fields)."""
     return [info for _, info in _enumerate()]
 
 
+def _version(text: str) -> tuple:
+    return tuple(int(n) for n in re.findall(r"\d+", text)[:4])
+
+
+def _preference(info) -> tuple:
+    """Sort key among usable devices: type, then DRIVER_PREFERENCE, then newer driver, then order."""
+    driver = info.get("driver", "")
+    rank = DRIVER_PREFERENCE.index(driver) if driver in DRIVER_PREFERENCE else len(DRIVER_PREFERENCE)
+    kind = info["type"] if info["type"] in TYPE_ORDER else "other"
+    return (TYPE_ORDER.index(kind), rank, tuple(-n for n in _version(info.get("driver_version", ""))),
+            info["index"])
+
+
+def format_devices(devices: list, chosen: int | None = None) -> str:
+    """The probe table, one line per device (``--list-devices`` and error messages)."""
+    if not devices:
+        return "  (none: the OpenCL loader found no platform)"
+    lines = []
+    for d in devices:
+        mark = "*" if d["index"] == chosen else " "
+        state = "usable" if d.get("usable", True) else f"unusable: {d.get('reason')}"
+        lines.append(f"{mark} {d['index']} ({d['platform']}:{d['device']}) {d['name']} [{d['type']}] "
+                     f"{d.get('platform_name', '')} {d.get('driver_version', '')}: {state}")
+    return "\n".join(lines)
+
+
 def select_device(devices: list, selector: str | None) -> int:
-    """The flat index in ``devices`` (list_devices() rows) that ``selector`` names."""
-    def first(kind):
-        return next((d["index"] for d in devices if d["type"] == kind), None)
+    """The flat index in ``devices`` (list_devices() rows) that ``selector`` names;
+    rows without a ``usable`` field count as usable."""
+    def usable(rows):
+        return sorted((d for d in rows if d.get("usable", True)), key=_preference)
 
     if selector is None:
-        found = first("gpu")
-        if found is None:
-            found = first("cpu")
+        matches = [d for d in devices if d["type"] in ("gpu", "cpu")]   # _preference puts GPUs first
     elif not isinstance(selector, str) or not selector:
         raise ValueError(f"device selector must be a non-empty string, got {selector!r}")
     elif selector.lower() in ("cpu", "gpu", "accelerator"):
-        found = first(selector.lower())
+        matches = [d for d in devices if d["type"] == selector.lower()]
     elif selector.isdecimal():
-        found = int(selector) if int(selector) < len(devices) else None
+        matches = [d for d in devices if d["index"] == int(selector)]
     elif selector.count(":") == 1 and all(part.isdecimal() for part in selector.split(":")):
         p, d = map(int, selector.split(":"))
-        found = next((x["index"] for x in devices if x["platform"] == p and x["device"] == d), None)
+        matches = [x for x in devices if x["platform"] == p and x["device"] == d]
+    elif any(d.get("driver") == selector.lower() for d in devices):
+        matches = [d for d in devices if d.get("driver") == selector.lower()]
     else:
-        found = next((d["index"] for d in devices if selector.lower() in d["name"].lower()), None)
-    if found is None:
-        listing = "; ".join(f'{d["index"]} ({d["platform"]}:{d["device"]}) {d["name"]} [{d["type"]}]'
-                            for d in devices) or "none"
-        wanted = "a GPU or CPU" if selector is None else repr(selector)
-        raise ValueError(f"no OpenCL device matches {wanted}; devices: {listing}")
-    return found
+        matches = [d for d in devices if selector.lower() in d["name"].lower()]
+    best = usable(matches)
+    if best:
+        return best[0]["index"]
+    wanted = "a GPU or CPU" if selector is None else repr(selector)
+    listing = "; ".join(f'{d["index"]} ({d["platform"]}:{d["device"]}) {d["name"]} [{d["type"]}]'
+                        + ("" if d.get("usable", True) else f" unusable: {d.get('reason')}")
+                        for d in devices) or "none"
+    if matches:
+        raise NoUsableDevice(f"no usable OpenCL device matches {wanted}: every match failed its probe; "
+                             f"devices: {listing}. To get a working driver, {HOW_TO_GET_A_DRIVER}")
+    raise NoUsableDevice(f"no OpenCL device matches {wanted}; devices: {listing}. "
+                         f"To get a working driver, {HOW_TO_GET_A_DRIVER}")
 
 
 # -- memory accounting -----------------------------------------------------
@@ -387,6 +601,12 @@ class Device:
         index = select_device([info for _, info in found], selector)
         self.cl_device, info = found[index]
         self.info = dict(info, selector=selector)
+        self.devices = [dict(row) for _, row in found]   # the probe table, for /v1/status
+        for row in self.devices:
+            if not row["usable"]:
+                log.warning("OpenCL device %d (%s, %s %s) skipped: %s", row["index"], row["name"],
+                            row["platform_name"], row["driver_version"], row["reason"],
+                            extra={"event": "device_skipped", "device": row["name"], "reason": row["reason"]})
         total = info["global_memory_bytes"]
         if memory_bytes is None:
             memory_bytes = int(total * DEFAULT_MEMORY_FRACTION)

@@ -57,7 +57,9 @@ BUILTINS = {
     "int": 1, "float": 1, "sqrt": 1,
 }
 
-SPEC_PREDEFINED = ("format",)  # the checkpoint format, "gguf" or "safetensors", visible to specs
+# Visible to specs: the checkpoint format ("gguf" or "safetensors") and the
+# device's driver family ("pocl", "intel", "nvidia", ...: device.driver_family).
+SPEC_PREDEFINED = ("format", "driver")
 
 STATEMENT_OPS = ("let", "scratch", "for", "if", "else", "end", "launch", "invoke")
 

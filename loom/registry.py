@@ -158,35 +158,31 @@ class Registry:
     def __init__(self, server):
         self.server = server
         self.registrations = {}
-        self.device = None
+        self.device = None      # opened by open_device() at start
         self.compiler = None
-        self.device_error = None
+        self.catalog_pending = None     # start-up catalog registrations not yet ready or failed
         # One preparation at a time: uploads are bound by memory bandwidth anyway,
         # and a finished model is evictable while the next one loads.
         self.to_prepare = []
         self.preparing = None
 
     # -- device --------------------------------------------------------------
-    def ensure_device(self):
-        """Open the OpenCL device on first use, so a server without models never needs one."""
-        if self.device is None and self.device_error is None:
-            from .compiler import Compiler
-            from .device import Device
-            cfg = self.server.config
-            try:
-                self.device = Device(cfg.device, cfg.memory_bytes)
-            except Exception as e:  # no platform, bad selector, driver failure: reported, never fatal
-                self.device_error = f"{type(e).__name__}: {e}"
-                log.error("no OpenCL device: %s", self.device_error, extra={"event": "device_failed"})
-                return None
-            loop = self.server.loop
-            self.compiler = Compiler(self.device, lambda fn, done: loop.run_in_executor(fn, done))
-            self.device.pool.set_evictor(self._evict_for)
-            self.device.metrics(self.server.metrics)
-            self.compiler.metrics(self.server.metrics)
-            self._retained_metrics(self.server.metrics)
-            log.info("device: %s", self.device.describe(),
-                     extra={"event": "device", "device": self.device.info["name"], "type": self.device.info["type"]})
+    def open_device(self):
+        """Probe every OpenCL device and open the chosen one, before any registration
+        prepares. Raises device.NoUsableDevice (a ValueError: start fails, exit 2)."""
+        from .compiler import Compiler
+        from .device import Device
+        cfg = self.server.config
+        self.device = Device(cfg.device, cfg.memory_bytes)
+        loop = self.server.loop
+        self.compiler = Compiler(self.device, lambda fn, done: loop.run_in_executor(fn, done))
+        self.device.pool.set_evictor(self._evict_for)
+        self.device.metrics(self.server.metrics)
+        self.compiler.metrics(self.server.metrics)
+        self._retained_metrics(self.server.metrics)
+        log.info("device: %s", self.device.describe(),
+                 extra={"event": "device", "device": self.device.info["name"], "type": self.device.info["type"],
+                        "driver": self.device.info["platform_name"]})
         return self.device
 
     def _retained_metrics(self, metrics):
@@ -212,10 +208,14 @@ class Registry:
                          lambda: [((name,), s["host_snapshot_bytes"]) for name, s in engines()], labels=("model",))
 
     def device_info(self):
-        if self.device is None:
-            return {"error": self.device_error} if self.device_error else {}
-        info = {k: v for k, v in self.device.info.items() if k != "extensions"}
-        return info
+        return {k: v for k, v in self.device.info.items() if k not in ("extensions", "usable", "reason")}
+
+    def devices(self):
+        """The probe table for /v1/status: every device found, usable or not, and the one in use."""
+        keys = ("index", "platform", "device", "platform_name", "driver", "name", "type", "driver_version",
+                "opencl_version", "usable", "reason")
+        return [dict({k: row.get(k) for k in keys}, in_use=row["index"] == self.device.info["index"])
+                for row in self.device.devices]
 
     # -- lifecycle -----------------------------------------------------------
     def register(self, doc, base_directory=None, package=None):
@@ -265,11 +265,7 @@ class Registry:
         self._next_preparation()
 
     def _prepare(self, reg):
-        device = self.ensure_device()
-        if device is None:
-            self._failed(reg, "device", f"no OpenCL device: {self.device_error}")
-            self._prepared(reg)
-            return
+        device = self.device
         sources, checkpoint = reg.paths()
         options = dict(reg.doc.get("options") or {})
         if reg.kind in ("text", "sequence"):
@@ -355,12 +351,31 @@ class Registry:
             prepared.selected = first.id
         log.info("prepared %s: %d parameter bytes", reg.name, prepared.param_bytes(),
                  extra={"event": "prepared", "model": reg.name, "param_bytes": prepared.param_bytes()})
+        self._settle(reg)
 
     def _failed(self, reg, code, message):
         reg.phase = "failed"
         reg.error = {"code": code, "message": message}
         log.error("preparing %s failed (%s): %s", reg.name, code, message,
                   extra={"event": "prepare_failed", "model": reg.name, "code": code})
+        self._settle(reg)
+
+    def watch_catalog(self, done):
+        """done(registrations) once every start-up catalog registration is ready or
+        failed (drained ones wait for admission, so they count as settled)."""
+        self._catalog_done = done
+        self.catalog_pending = {r.name for r in self.registrations.values()
+                                if r.from_catalog and r.phase == "preparing"}
+        self._settle(None)
+
+    def _settle(self, reg):
+        if self.catalog_pending is None:
+            return
+        if reg is not None:
+            self.catalog_pending.discard(reg.name)
+        if not self.catalog_pending:
+            self.catalog_pending = None
+            self._catalog_done([r for r in self.registrations.values() if r.from_catalog])
 
     def load_catalog(self, path):
         """Register every document of a catalog file: a JSON list, or {"models": [...]}.
@@ -465,7 +480,10 @@ class Registry:
         if reg.kind != kind:
             raise HTTPError(404, f"model {name!r} is a {reg.kind} deployment, not {kind}", "model_not_found", "model")
         if reg.phase == "failed":
-            raise HTTPError(503, f"model {name!r} failed to prepare: {reg.error['message']}", "model_failed", "model")
+            # Not retryable: the package, checkpoint or driver must change (422, as a failed variant).
+            raise HTTPError(422, f"model {name!r} failed to prepare ({reg.error['code']}): "
+                                 f"{_first_line(reg.error['message'])}; GET /v1/status has the whole reason",
+                            "model_failed", "model")
         if reg.phase != "ready":
             raise HTTPError(503, f"model {name!r} is {reg.phase}, not prepared yet", "model_not_ready", "model")
         return reg
@@ -542,6 +560,7 @@ class Registry:
     def _remove(self, reg):
         if self.registrations.get(reg.name) is reg:
             del self.registrations[reg.name]
+        self._settle(reg)
         if reg.prepared is not None:
             reg.prepared.release()
             reg.prepared = None
@@ -555,8 +574,6 @@ class Registry:
         return [reg.status() for reg in self.registrations.values()]
 
     def resources(self):
-        if self.device is None:
-            return {"device": self.device_info()}
         return {"device": self.device_info(), "memory": self.device.pool.usage(), "jit": self.compiler.stats()}
 
     def close(self):
@@ -566,6 +583,10 @@ class Registry:
                 reg.prepared = None
 
 
+
+
+def _first_line(text, chars=300):
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")[:chars]
 
 
 class Job:

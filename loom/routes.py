@@ -71,6 +71,7 @@ def status(server, request):
         "scheduler": {
             "executor": {"workers": cfg.workers, "pending": server.loop.executor_pending},
         },
+        "devices": server.registry.devices(),
         "resources": server.registry.resources(),
         "registrations": server.registry.status(),
     })

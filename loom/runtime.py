@@ -351,7 +351,7 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
         metadata = dict(checkpoint.metadata)
         metadata.update(_flatten(metadata.get("config", {}), "config."))
         try:
-            binding = vm.bind(module, metadata, tensors, options, checkpoint.format)
+            binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""))
         except LoomError as e:
             raise PrepareError("bind", str(e)) from None
         sources = {}
@@ -455,7 +455,7 @@ def stage_binding(prepared, source_paths, loaded=None):
         raise PrepareError("source", str(e)) from None
     base = prepared.binding
     try:
-        binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format)
+        binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format, base.driver)
     except LoomError as e:
         raise PrepareError("contract", f"the sources do not bind to this deployment's checkpoint: {e}") from None
     old, new = base.contract(), binding.contract()

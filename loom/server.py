@@ -557,8 +557,8 @@ class Server:
             for listener in self.listeners:
                 listener.close()
             raise
-        self.registry.ensure_device()  # logged and shown in /v1/status; a failure is reported, not fatal
         try:
+            self.registry.open_device()    # NoUsableDevice (a ValueError) fails start: exit 2
             if self.config.models:
                 self.registry.load_catalog(self.config.models)
             else:
@@ -574,7 +574,27 @@ class Server:
             log.info("listening on %s", listener.address, extra={"event": "listening", "address": listener.address})
         self.loop.call_later(SWEEP_SECONDS, self._sweep)
         self.ready = True
-        log.info("ready", extra={"event": "ready", "version": __version__, "pid": os.getpid()})
+        self.registry.watch_catalog(self._catalog_settled)
+
+    def _catalog_settled(self, registrations):
+        """The start-up summary: one line per catalog model, then `ready`."""
+        from .registry import _first_line
+        failed = [r for r in registrations if r.phase == "failed"]
+        for reg in registrations:
+            if reg.phase == "failed":
+                log.error("model %s: failed (%s): %s", reg.name, reg.error["code"], _first_line(reg.error["message"]),
+                          extra={"event": "model_summary", "model": reg.name, "phase": reg.phase,
+                                 "code": reg.error["code"]})
+            else:
+                log.info("model %s: %s", reg.name, reg.phase,
+                         extra={"event": "model_summary", "model": reg.name, "phase": reg.phase})
+        if registrations and len(failed) == len(registrations):
+            log.error("every model of the start-up catalog failed to prepare (%d of %d): nothing can be served; "
+                      "GET /v1/status shows why", len(failed), len(registrations),
+                      extra={"event": "catalog_failed", "failed": len(failed)})
+        log.info("ready: %d of %d catalog models ready, %d failed",
+                 sum(r.phase == "ready" for r in registrations), len(registrations), len(failed),
+                 extra={"event": "ready", "version": __version__, "pid": os.getpid(), "failed": len(failed)})
 
     def serve_forever(self, signals=True):
         previous = self._install_signals() if signals else {}

@@ -229,10 +229,11 @@ def call_builtin(name, args, scope):
 # -- binding -------------------------------------------------------------------------
 
 class Binding:
-    def __init__(self, module, specs, params, states, tensors, options, metadata=None, fmt=None):
+    def __init__(self, module, specs, params, states, tensors, options, metadata=None, fmt=None, driver=""):
         self.module = module
         self.metadata = metadata or {}
         self.format = fmt
+        self.driver = driver
         self.specs = specs            # name -> value
         self.params = params          # (name, index) -> BoundParam
         self.states = states          # name -> BoundState
@@ -469,11 +470,13 @@ def _match_blocks(body):
     return matching
 
 
-def bind(module, metadata, tensors, options=None, fmt=None):
+def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
     """Evaluate specs, resolve params to tensors and size states.
 
     metadata: checkpoint key/values; tensors: name -> Tensor; options: the
-    model document's options (plus deployment sizing such as "pages").
+    model document's options (plus deployment sizing such as "pages"); driver:
+    the device's driver family ("pocl", "intel", ...), so a package can choose
+    the kernel geometry that is fastest on it.
     """
     options = dict(options or {})
     specs = {}
@@ -503,7 +506,7 @@ def bind(module, metadata, tensors, options=None, fmt=None):
     builtins = {"meta": meta, "shape": shape, "has": lambda name: name in tensors,
                 "option": lambda k, *d: _option(options, k, d)}
     for spec in module.specs:
-        specs[spec.name] = evaluate(spec.code, Scope(dict(specs, format=fmt or ""), builtins, f"spec {spec.name}"))
+        specs[spec.name] = evaluate(spec.code, Scope(dict(specs, format=fmt or "", driver=driver), builtins, f"spec {spec.name}"))
     scope_names = dict(specs)
     params = {}
     for p in module.params:
@@ -521,7 +524,7 @@ def bind(module, metadata, tensors, options=None, fmt=None):
         scope = Scope(scope_names, builtins, f"state {s.name}")
         page = None if s.page is None else _dim(evaluate(s.page, scope), scope.where)
         states[s.name] = BoundState(s.name, s.dtype, page, tuple(_dim(evaluate(d, scope), scope.where) for d in s.dims))
-    return Binding(module, specs, params, states, tensors, options, metadata, fmt)
+    return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver)
 
 
 STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}

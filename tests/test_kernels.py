@@ -1,9 +1,10 @@
 """The opencl/ kernel library against independent numpy references.
 
 Every kernel is built the way the compiler builds it (opencl/common.cl
-prepended, specialization values as -D macros) on the default device (the
-first GPU, else the CPU), run on deterministic random data, and compared with
-a float64 numpy computation written here. Quantized weights are produced with
+prepended, specialization values as -D macros) on every usable CPU driver
+present (conftest.cpu_drivers: Intel's runtime, PoCL, ...), run on
+deterministic random data, and compared with a float64 numpy computation
+written here. Quantized weights are produced with
 the ggml reference formulas and dequantized by numpy from the same bytes.
 Each program is built once per module (builds cost ~0.5 s on PoCL).
 """
@@ -14,6 +15,9 @@ import re
 import numpy as np
 import pytest
 
+from conftest import cpu_drivers
+from loom import device as loom_device
+
 cl = pytest.importorskip("pyopencl")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,17 +26,6 @@ QK = 32
 
 
 # ---------------------------------------------------------------- device
-
-def _pick_device():
-    devices = [d for p in cl.get_platforms() for d in p.get_devices()]
-    for want in (cl.device_type.GPU, cl.device_type.CPU):
-        for d in devices:
-            if d.type & want:
-                return d
-    if not devices:
-        pytest.skip("no OpenCL device")
-    return devices[0]
-
 
 class Program:
     """A built program whose kernels are retrieved once (prg.NAME)."""
@@ -50,8 +43,8 @@ class Program:
 
 
 class Env:
-    def __init__(self):
-        self.device = _pick_device()
+    def __init__(self, selector):
+        self.device = loom_device._enumerate()[int(selector)][0]
         self.ctx = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.ctx)
         self.programs = {}
@@ -89,9 +82,9 @@ class Env:
         kernel(self.queue, gsize, lsize, *args)
 
 
-@pytest.fixture(scope="module")
-def env():
-    return Env()
+@pytest.fixture(scope="module", params=cpu_drivers())
+def env(request):
+    return Env(request.param)
 
 
 def i32(v):

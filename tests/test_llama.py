@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cpu_drivers
 from test_kernels import quantize_activations_q8
 from test_runtime import q4_0, q8_0
 
@@ -265,9 +265,10 @@ def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None):
 
 
 
-@pytest.fixture(scope="module")
-def device():
-    dev = Device("cpu")
+@pytest.fixture(scope="module", params=cpu_drivers())
+def device(request):
+    """Every usable CPU driver present: the package's numerics must hold on each."""
+    dev = Device(request.param)
     return dev, Compiler(dev, run_now)
 
 

@@ -100,7 +100,10 @@ def test_failed_preparation_is_reported(server):
     call(server, "/v1/models/register", dict(server.doc, checkpoint="absent.gguf"))
     reg = wait_phase(server, "m", "failed")
     assert reg["error"]["code"] == "checkpoint" and "absent.gguf" in reg["error"]["message"]
-    assert call(server, "/v1/embeddings", {"model": "m", "input": [1]})[0] == 503
+    # Not retryable, so not 503: the reason's first line and where the rest is.
+    status, body = call(server, "/v1/embeddings", {"model": "m", "input": [1]})
+    assert (status, body["error"]["code"], body["error"]["type"]) == (422, "model_failed", "unprocessable_entity_error")
+    assert "(checkpoint)" in body["error"]["message"] and "/v1/status" in body["error"]["message"]
     assert call(server, "/v1/models/unregister", {"model": "m"})[0] == 202
     assert status_of(server, "m") is None
 
@@ -271,4 +274,42 @@ def test_a_package_whose_kernels_do_not_build_fails_at_registration(server, tmp_
     reg = wait_phase(server, "m", "failed")
     assert reg["error"]["code"] == "compile" and "mean_pool" in reg["error"]["message"]
     assert "m" not in memory(server)["by_owner"]                  # its weights were released
-    assert call(server, "/v1/embeddings", {"model": "m", "input": [1]})[0] == 503
+    assert call(server, "/v1/embeddings", {"model": "m", "input": [1]})[0] == 422
+
+
+def _log_after_ready(server, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = list(server.stderr_lines)
+        if any(" ready: " in line for line in lines):
+            return lines
+        time.sleep(0.05)
+    raise AssertionError("no ready line:\n" + "".join(server.stderr_lines))
+
+
+def test_start_up_says_ready_after_the_catalog_with_one_line_per_model(live_server, tmp_path):
+    write_gguf(tmp_path / "m.gguf", "Q8_0", seed=3)
+    good = {"model": "good", "kind": "embedding", "sources": [SOURCE], "checkpoint": "m.gguf"}
+    bad = dict(good, model="bad", checkpoint="absent.gguf")
+    (tmp_path / "catalog.json").write_text(json.dumps([good, bad]))
+    lines = _log_after_ready(live_server("--models", str(tmp_path / "catalog.json")))
+    ready = next(i for i, line in enumerate(lines) if " ready: " in line)
+    assert "ready: 1 of 2 catalog models ready, 1 failed" in lines[ready]
+    summary = [line for line in lines[:ready] if " model good: " in line or " model bad: " in line]
+    assert len(summary) == 2
+    assert any("INFO" in line and "model good: ready" in line for line in summary)
+    assert any("ERROR" in line and "model bad: failed (checkpoint): " in line and "absent.gguf" in line
+               for line in summary)
+    assert next(i for i, line in enumerate(lines) if "prepared good" in line) < ready
+    assert not any("every model of the start-up catalog failed" in line for line in lines)
+
+
+def test_a_catalog_whose_every_model_failed_says_so(live_server, tmp_path):
+    doc = {"model": "bad", "kind": "embedding", "sources": [SOURCE], "checkpoint": "absent.gguf"}
+    (tmp_path / "catalog.json").write_text(json.dumps([doc]))
+    server = live_server("--models", str(tmp_path / "catalog.json"))
+    lines = _log_after_ready(server)
+    assert any("ERROR" in line and "every model of the start-up catalog failed to prepare (1 of 1)" in line
+               and "/v1/status" in line for line in lines)
+    reg = status_of(server, "bad")
+    assert reg["phase"] == "failed" and reg["error"]["code"] == "checkpoint" and "absent.gguf" in reg["error"]["message"]

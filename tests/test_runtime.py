@@ -162,7 +162,7 @@ def test_embedding_rejections(catalog_server):
         ({"model": "affine-f32", "input": [1], "dimensions": 3}, 400, "unsupported_value"),
         ({"model": "affine-f32", "input": [1], "extra": 1}, 400, "unknown_field"),
         ({"model": "affine-f32", "input": []}, 400, None),
-        ({"model": "broken", "input": [1]}, 503, "model_failed"),
+        ({"model": "broken", "input": [1]}, 422, "model_failed"),
     ]
     for body, status, code in cases:
         got_status, got = post(server, body)
