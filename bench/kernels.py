@@ -12,7 +12,13 @@ not the last-level cache. Also prints the cost of a kernel launch.
 
 Never asserts: figures only. Machines are noisy; compare ratios within one run.
 
-    python bench/kernels.py [--quick] [--rounds N]
+With --sweep, instead: for each weight type, T in --sweep-t and matrix in
+--sweep-shapes (FFN up 4864x896 and down 896x4864), every geometry of a small grid (ROWS_PER_ITEM, TOKENS_PER_ITEM,
+WG, VW), fastest first, beside the geometry the llama package picks today
+(float activations), so
+each driver's best geometry is measured on that driver (opencl/README.md).
+
+    python bench/kernels.py [--quick] [--rounds N] [--device SELECTOR] [--sweep]
 """
 
 import argparse
@@ -30,10 +36,10 @@ QK = 32
 POOL_BYTES = 256 << 20
 
 # (ROWS_PER_ITEM, TOKENS_PER_ITEM, WG, VW) per T and weight kind: the choices
-# opencl/README.md recommends for PoCL on this machine (a sweep picked them).
+# opencl/README.md recommends for Intel's runtime and PoCL 3.1 (--sweep picked them).
 DECODE = (1, 1, 8, 16)
 COHORT = (1, 4, 8, 16)
-PREFILL = {"F32": (4, 2, 8, 8), "F16": (2, 4, 8, 8), "Q8_0": (2, 4, 8, 8), "Q4_0": (2, 4, 8, 8)}
+PREFILL = {"F32": (4, 4, 8, 16), "F16": (4, 4, 8, 16), "Q8_0": (4, 4, 8, 16), "Q4_0": (4, 4, 8, 16)}
 
 
 def geometries(kind, t):
@@ -44,13 +50,12 @@ def geometries(kind, t):
     return [PREFILL[kind], COHORT]
 
 
-def pick_device():
-    devices = [d for p in cl.get_platforms() for d in p.get_devices()]
-    for want in (cl.device_type.GPU, cl.device_type.CPU):
-        for d in devices:
-            if d.type & want:
-                return d
-    return devices[0]
+def pick_device(selector=None):
+    """The device loom would use (probing, driver preference, --device selectors)."""
+    sys.path.insert(0, os.path.dirname(OPENCL))
+    from loom import device as loom_device
+    found = loom_device._enumerate()
+    return found[loom_device.select_device([info for _, info in found], selector)][0]
 
 
 def numpy_bandwidth(reps):
@@ -95,8 +100,8 @@ def quantize(kind, w):
 
 
 class Bench:
-    def __init__(self):
-        self.device = pick_device()
+    def __init__(self, selector=None):
+        self.device = pick_device(selector)
         self.ctx = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
         with open(os.path.join(OPENCL, "common.cl")) as f:
@@ -106,6 +111,7 @@ class Bench:
         self.pool = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, POOL_BYTES + (64 << 20))
         self.align = max(4096, self.device.mem_base_addr_align // 8)
         self.io = {}
+        self.weight_cache = {}
 
     def activations(self, t, k, n):
         """X and Y allocated once per shape: on PoCL a freshly allocated buffer
@@ -139,7 +145,9 @@ class Bench:
     def measure(self, kind, n, k, t, geometry, passes):
         """(seconds per call wall, seconds per call in-kernel)."""
         kern = self.kernel(kind, n, k, geometry)
-        subs, _ = self.weights(kind, n, k)
+        if (kind, n, k) not in self.weight_cache:   # one copy set at a time: the pool is shared
+            self.weight_cache = {(kind, n, k): self.weights(kind, n, k)[0]}
+        subs = self.weight_cache[(kind, n, k)]
         x, y = self.activations(t, k, n)
         rpi, _, wg, _ = geometry
         gsize = (-(-(-(-n // rpi)) // wg) * wg, 1)
@@ -188,12 +196,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one round, fewer passes")
     ap.add_argument("--rounds", type=int, default=3,
                     help="measure everything this many times, spread over the run, keep the best")
+    ap.add_argument("--device", default=None, help="as loom's --device")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of geometries per weight type and T")
+    ap.add_argument("--sweep-shapes", default="4864x896,896x4864", help="NxK matrices to sweep")
+    ap.add_argument("--sweep-t", default="1,4,64", help="token counts to sweep")
     args = ap.parse_args()
     passes, rounds = (2, 1) if args.quick else (3, max(1, args.rounds))
 
-    b = Bench()
+    b = Bench(args.device)
     print(f"device: {b.device.name.strip()} ({b.device.platform.name.strip()} "
           f"{b.device.platform.version.strip()}), {b.device.max_compute_units} compute units")
+    if args.sweep:
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.sweep_shapes.split(",")]
+        return sweep(b, passes, shapes, [int(t) for t in args.sweep_t.split(",")])
     shapes = [("4864x896", 4864, 896), ("896x896", 896, 896)]
     kinds = ["F32", "F16", "Q8_0", "Q4_0"]
     cases = [(n, k, kind, 1, DECODE) for _, n, k in shapes for kind in kinds]
@@ -241,6 +256,34 @@ def main():
                     wall = best[(n, k, kind, t, g)][0]
                     print(f"{label:<12}{kind:<8}{t:>4}{','.join(map(str, g)):>12}"
                           f"{t / wall:>10.0f}{nbytes / wall / 1e9:>8.1f}{t * decode / wall:>8.1f}x")
+    return 0
+
+
+def package_geometry(kind, t, k, driver):
+    """What models/llama/llama.loom picks (float activations) on `driver`, for comparison."""
+    wide = t >= 16 or (t >= 2 and k >= 4096)
+    rows, vw = (4, 16) if driver in ("intel", "pocl") else (2, 8)   # its WIDE_ROWS, WIDE_VW
+    return (rows if wide else 1, 4 if t >= 3 else t, 8, vw if wide else 16)
+
+
+def sweep(b, passes, shapes, ts):
+    from loom.device import driver_family
+    driver = driver_family(b.device.platform.name)
+    cases = [(n, k, kind, t) for n, k in shapes for kind in ("F16", "Q8_0", "Q4_0") for t in ts]
+    for n, k, kind, t in cases:
+        ours_g = package_geometry(kind, t, k, driver)
+        grid = {ours_g} | {(rpi, tpi, wg, vw) for rpi in (1, 2, 4) for tpi in ((1,) if t == 1 else (2, 4))
+                           for wg in (1, 8, 16, 64) for vw in (8, 16)}
+        timed = []
+        for g in sorted(grid):
+            try:
+                timed.append((b.measure(kind, n, k, t, g, passes)[0], g))
+            except cl.Error as e:   # a geometry this driver cannot build or launch
+                print(f"  {kind} T={t} {g}: {str(e).splitlines()[0][:80]}")
+        timed.sort()
+        ours = next(w for w, g in timed if g == ours_g)
+        print(f"{n}x{k} {kind:<6} T={t:<3} package {ours_g}: {ours * 1e6:8.1f} us;  fastest: "
+              + ", ".join(f"{g} {w * 1e6:.1f} us ({ours / w:.2f}x)" for w, g in timed[:4]), flush=True)
     return 0
 
 

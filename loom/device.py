@@ -19,7 +19,10 @@ operator, or a benchmark, hides drivers from the loader.
 Probing: every device found is probed by building and running a small kernel
 (local memory, a barrier, f16 storage loads) whose result is checked; a device
 whose driver fails is skipped, with the reason (the build log's first lines or
-the wrong values) in its row. PoCL 3.0 from PyPI fails here on CPUs its LLVM
+the wrong values) in its row. Probes run in a child process (``python -m
+loom.device --probe``), so a driver that crashes (SIGILL on a CPU it
+mistakes) or hangs on a build is skipped too, instead of taking the server
+down; a second child carries on after the device that killed the first. PoCL 3.0 from PyPI fails here on CPUs its LLVM
 does not know (``unknown target CPU 'generic'`` on Zen 5).
 
 Selection (``--device``): None picks the best usable GPU of any platform, else
@@ -67,13 +70,18 @@ the lock against a reservation, so accounting is exact at every instant.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import re
+import select
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +214,83 @@ def _probe(dev) -> str | None:
     return None
 
 
+PROBE_TIMEOUT_S = 120      # per device: a build that takes longer is a hung driver
+PROBE_COMMAND = (sys.executable, "-m", "loom.device", "--probe")
+PROBE_MARK = b"loom-probe "
+
+
+def _probe_children(command=PROBE_COMMAND, timeout=PROBE_TIMEOUT_S) -> dict:
+    """{(platform, device): reason or None} for every device the child processes
+    report. ``command`` + [JSON list of [p, d] to skip] prints a line PROBE_MARK +
+    {"start": [p, d]} before each probe and PROBE_MARK + {"done": [p, d], "reason": ...} after."""
+    reasons = {}
+    while True:
+        errors = tempfile.TemporaryFile()
+        proc = subprocess.Popen([*command, json.dumps(sorted(k for k in reasons if k is not None))],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors, close_fds=True)
+        started, buffered, fault = None, b"", None
+        deadline = time.monotonic() + timeout
+        with proc:
+            while True:
+                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    proc.kill()
+                    fault = f"the probe did not finish within {timeout:g} s (a hung driver)"
+                    break
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                buffered += chunk
+                *lines, buffered = buffered.split(b"\n")
+                for line in lines:
+                    if not line.startswith(PROBE_MARK):
+                        continue    # a driver's own chatter on stdout
+                    message = json.loads(line[len(PROBE_MARK):])
+                    if "start" in message:
+                        started, deadline = tuple(message["start"]), time.monotonic() + timeout
+                    else:
+                        reasons[tuple(message["done"])] = message["reason"]
+                        started = None
+            code = proc.wait()
+        errors.seek(max(0, errors.seek(0, os.SEEK_END) - 2000))
+        said = [line.strip() for line in errors.read().decode("utf-8", "replace").splitlines() if line.strip()]
+        errors.close()
+        said = f": {said[-1][:200]}" if said else ""
+        if started is None:     # every device reported, or the child failed outside any probe
+            if fault is not None or code != 0:
+                reasons[None] = fault or f"the probe process failed (exit status {code}){said}"
+            return reasons
+        if fault is None:
+            name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None
+            fault = f"the driver crashed the probe ({name or f'exit status {code}'}){said}"
+        reasons[started] = fault
+
+
+def _probe_main(skip_json: str) -> int:
+    """The child of _probe_children: probe every device not in ``skip``."""
+    skip = {tuple(x) for x in json.loads(skip_json)}
+    arrange_loader()
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:
+        return 0
+    for p, platform in enumerate(platforms):
+        try:
+            devices = platform.get_devices()
+        except cl.Error:
+            continue
+        for d, dev in enumerate(devices):
+            if (p, d) in skip:
+                continue
+            print(PROBE_MARK.decode() + json.dumps({"start": [p, d]}), flush=True)
+            try:
+                reason = _probe(dev)
+            except Exception as e:  # a driver fault of any kind disqualifies that device only
+                reason = f"probe raised {type(e).__name__}: {_first_lines(str(e))}"
+            print(PROBE_MARK.decode() + json.dumps({"done": [p, d], "reason": reason}), flush=True)
+    return 0
+
+
 # -- discovery and selection -----------------------------------------------
 
 def _device_type(dev) -> str:
@@ -243,6 +328,7 @@ def _enumerate() -> list:
 
 def _discover() -> list:
     arrange_loader()
+    reasons = _probe_children()
     try:
         platforms = cl.get_platforms()
     except cl.Error:  # no ICD installed at all
@@ -275,10 +361,7 @@ def _discover() -> list:
                 "fp64": "cl_khr_fp64" in extensions,
                 "extensions": extensions,
             }
-            try:
-                reason = _probe(dev)
-            except Exception as e:  # a driver fault of any kind disqualifies that device only
-                reason = f"probe raised {type(e).__name__}: {_first_lines(str(e))}"
+            reason = reasons.get((p, d), reasons.get(None, "the probe process did not report this device"))
             info["usable"], info["reason"] = reason is None, reason
             found.append((dev, info))
     return found
@@ -666,3 +749,9 @@ class Device:
                           lambda: pool.limit)
         registry.gauge_fn("loom_device_memory_used_bytes", "Device memory counted against the limit.",
                           lambda: pool.usage()["used"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--probe"] and len(sys.argv) == 3:
+        sys.exit(_probe_main(sys.argv[2]))
+    sys.exit("usage: python -m loom.device --probe SKIP_JSON (the device probe's child process)")

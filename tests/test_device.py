@@ -175,23 +175,53 @@ def test_a_probe_that_builds_wrong_code_is_caught(monkeypatch):
 
 
 def _best_fails(monkeypatch):
-    """Re-probe with the device that would be chosen failing its build: (its row, the next choice's row)."""
+    """Re-probe with the device that would be chosen failing its probe: (its row, the next choice's row)."""
     real = [info for _, info in loom_device._enumerate()]
     usable = sorted((d for d in real if d["usable"] and d["type"] in ("cpu", "gpu")), key=loom_device._preference)
     if len(usable) < 2:
         pytest.skip("needs two usable OpenCL devices (make install provides Intel's runtime and PoCL)")
     best, following = usable[0], usable[1]
-    original = loom_device._probe
-    doomed = loom_device._enumerate()[best["index"]][0]
+    original = loom_device._probe_children
 
-    def probe(dev):
-        if dev == doomed:
-            raise RuntimeError("error: simulated driver fault\nsecond line")
-        return original(dev)
+    def probe_children(*args, **kwargs):
+        reasons = original(*args, **kwargs)
+        reasons[best["platform"], best["device"]] = "probe raised RuntimeError: error: simulated driver fault"
+        return reasons
 
-    monkeypatch.setattr(loom_device, "_probe", probe)
+    monkeypatch.setattr(loom_device, "_probe_children", probe_children)
     monkeypatch.setattr(loom_device, "_probed", None)      # restored afterwards: the real table again
     return best, following
+
+
+FAKE_CHILD = """
+import json, os, signal, sys, time
+skip = {tuple(x) for x in json.loads(sys.argv[1])}
+for p, d in [(0, 0), (0, 1), (1, 0)]:
+    if (p, d) in skip:
+        continue
+    print("loom-probe " + json.dumps({"start": [p, d]}), flush=True)
+    print("driver chatter on stdout", flush=True)
+    if (p, d) == (0, 1):
+        sys.stderr.write("pocl: fatal: illegal instruction in the JIT\\n"); sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGILL)
+    if (p, d) == (1, 0) and os.environ.get("FAKE_HANG"):
+        time.sleep(60)
+    print("loom-probe " + json.dumps({"done": [p, d], "reason": None}), flush=True)
+"""
+
+
+def test_a_driver_that_crashes_or_hangs_in_its_probe_is_skipped_not_fatal(monkeypatch):
+    command = (sys.executable, "-c", FAKE_CHILD)
+    reasons = loom_device._probe_children(command)
+    assert reasons[0, 0] is None and reasons[1, 0] is None            # a second child carried on
+    assert reasons[0, 1] == ("the driver crashed the probe (SIGILL): "
+                             "pocl: fatal: illegal instruction in the JIT")
+    monkeypatch.setenv("FAKE_HANG", "1")
+    reasons = loom_device._probe_children(command, timeout=1)
+    assert reasons[1, 0] == "the probe did not finish within 1 s (a hung driver)"
+    assert reasons[0, 0] is None and reasons[0, 1].startswith("the driver crashed the probe (SIGILL)")
+    broken = loom_device._probe_children((sys.executable, "-c", "import sys; sys.exit('no numpy here')"))
+    assert broken == {None: "the probe process failed (exit status 1): no numpy here"}
 
 
 def test_a_failing_device_is_skipped_reported_and_the_next_chosen(monkeypatch, thread_server):
@@ -202,7 +232,7 @@ def test_a_failing_device_is_skipped_reported_and_the_next_chosen(monkeypatch, t
     assert len(rows) == len(list_devices())
     failed = rows[best["index"]]
     assert failed["usable"] is False and failed["in_use"] is False
-    assert failed["reason"] == "probe raised RuntimeError: error: simulated driver fault | second line"
+    assert failed["reason"] == "probe raised RuntimeError: error: simulated driver fault"
     assert failed["platform_name"] == best["platform_name"] and failed["driver_version"] == best["driver_version"]
     chosen = [d for d in status["devices"] if d["in_use"]]
     assert [d["index"] for d in chosen] == [following["index"]] and chosen[0]["usable"]

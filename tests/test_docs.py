@@ -20,6 +20,7 @@ def blocks(path, start, end):
     ("docs/operations.md", "## Observability", "### Logs"),
     ("README.md", "With the server running", "Any OpenAI client"),
     ("docs/operations.md", "## Tokenizer utilities", "## Device and memory"),
+    ("docs/operations.md", "## OpenCL drivers and devices", "## Flags and limits"),
 ])
 def test_doc_examples_run(live_server, path, start, end, tmp_path):
     default = path == "README.md" or start == "## Tokenizer utilities"   # examples that use the default catalog

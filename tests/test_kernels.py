@@ -238,6 +238,7 @@ MATMUL_CASES = [
     (37, 4864, (4, 2, 8, 8), True, False),       # long K, N % 4 != 0
     (250, 896, (1, 4, 8, 16), True, True),       # cohort/prefill tile, residual add
     (1, 32, (3, 3, 2, 4), False, True),          # N = 1, odd tile sizes
+    (43, 4864, (4, 4, 8, 16), True, True),       # the wide tile Intel's runtime and PoCL 3.1 run fastest
 ]
 
 
