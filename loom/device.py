@@ -99,8 +99,8 @@ DEFAULT_MEMORY_FRACTION = 0.8
 WORKSPACE_CACHE_BUFFERS = 256   # bound on idle workspace buffers kept for reuse
 
 # CPU drivers, best first. Measured side by side on one host (docs/operations.md,
-# "OpenCL drivers"): Intel's runtime ran bench/llama.py's F16 decode and
-# prefill faster than PoCL on the same kernels, Q8_0/Q4_0 about even.
+# "OpenCL drivers and devices"): Intel's runtime ran bench/llama.py's prefill
+# and decode as fast as PoCL 3.1 or faster for F16, Q8_0 and Q4_0.
 DRIVER_PREFERENCE = ("intel", "pocl")
 TYPE_ORDER = ("gpu", "cpu", "accelerator", "other")
 HOW_TO_GET_A_DRIVER = ("run `make install` in the Loom checkout (on x86-64 it installs Intel's OpenCL CPU "
@@ -145,8 +145,7 @@ def arrange_loader() -> str | None:
         atexit.register(shutil.rmtree, folder, True)
         system = Path(os.environ.get("OPENCL_VENDOR_PATH") or SYSTEM_VENDORS)
         for icd in sorted(system.glob("*.icd")) if system.is_dir() else ():
-            # Intel's own (placeholder) files and copies of ours are replaced below.
-            if "intelocl" not in icd.name and icd.is_file():
+            if icd.is_file():
                 Path(folder, icd.name).write_text(icd.read_text())
         # Its libimf/libsvml/libtbb neighbours resolve through the library's RUNPATH ($ORIGIN).
         Path(folder, "loom-intel-cpu.icd").write_text(f"{intel}\n")
