@@ -25,7 +25,8 @@ $(STAMP): Makefile setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
 # ARM. Installed when make runs as root on Debian/Ubuntu; otherwise the one
 # command to run is printed.
 system-drivers:
-	@if command -v dpkg >/dev/null 2>&1 && ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then \
+	@if command -v dpkg-query >/dev/null 2>&1 && \
+	    ! dpkg-query -W -f='$${Status}' pocl-opencl-icd 2>/dev/null | grep -q 'install ok installed'; then \
 	  if [ "$$(id -u)" -eq 0 ]; then \
 	    echo "installing Debian's PoCL OpenCL driver (pocl-opencl-icd)"; \
 	    export DEBIAN_FRONTEND=noninteractive; \
