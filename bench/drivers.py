@@ -1,10 +1,11 @@
 """Every OpenCL CPU driver this machine has, side by side on the same kernels: prints figures, asserts nothing.
 
 For each driver (Intel's runtime from .venv, each system driver in
-/etc/OpenCL/vendors, and the PoCL bundled in pyopencl's wheel), runs
+/etc/OpenCL/vendors, and the PoCL of pocl-binary-distribution where it is
+installed beside pyopencl), runs
 bench/llama.py in a fresh process with that driver the only one the ICD
-loader sees (OCL_ICD_VENDORS naming a folder with just its .icd; pyopencl's
-bundled PoCL cannot be hidden, so each run selects its driver with --device).
+loader sees (OCL_ICD_VENDORS naming a folder with just its .icd; a PoCL beside
+pyopencl cannot be hidden, so each run also selects its driver with --device).
 Drivers whose probe fails here are listed with the reason and skipped. Rounds
 alternate drivers, so drift on a noisy machine hits each alike; the summary
 prints prefill and decode tok/s per weight type and driver, and each
@@ -46,8 +47,8 @@ def configurations(scratch):
         driver = "pocl" if "pocl" in icd.read_text() else icd.stem
         found.append((f"{icd.stem} ({icd.parent})", driver, folder))
     bundled = Path(scratch, "bundled")
-    bundled.mkdir()                  # nothing but what pyopencl's loader always adds
-    found.append(("pocl (pyopencl wheel)", "pocl", bundled))
+    bundled.mkdir()                  # nothing but what pyopencl's loader adds by itself
+    found.append(("pocl (beside pyopencl)", "pocl", bundled))
     return found
 
 

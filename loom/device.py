@@ -8,7 +8,7 @@
 
 Drivers: the ICD loader (the one bundled in pyopencl's wheel) finds drivers by
 the ``.icd`` files in /etc/OpenCL/vendors (or the folder OCL_ICD_VENDORS names),
-plus the PoCL bundled in the wheel. Intel's CPU runtime from PyPI
+plus the PoCL that PyPI's pocl-binary-distribution puts beside pyopencl. Intel's CPU runtime from PyPI
 (``intel-opencl-rt``, which make install adds on x86-64) ships an ``.icd`` file
 with a placeholder path, so :func:`arrange_loader` writes a private vendors
 folder naming it and every system driver, and points OCL_ICD_VENDORS at it,
@@ -22,8 +22,9 @@ whose driver fails is skipped, with the reason (the build log's first lines or
 the wrong values) in its row. Probes run in a child process (``python -m
 loom.device --probe``), so a driver that crashes (SIGILL on a CPU it
 mistakes) or hangs on a build is skipped too, instead of taking the server
-down; a second child carries on after the device that killed the first. PoCL 3.0 from PyPI fails here on CPUs its LLVM
-does not know (``unknown target CPU 'generic'`` on Zen 5).
+down; a second child carries on after the device that killed the first.
+PoCL 3.0 from PyPI fails here on CPUs its LLVM does not know (``unknown
+target CPU 'generic'`` on Zen 5).
 
 Selection (``--device``): None picks the best usable GPU of any platform, else
 the best usable CPU, where best is ``DRIVER_PREFERENCE`` (measured, see
