@@ -31,7 +31,7 @@ def parser():
                         "relative base_directory values resolve against the file's folder")
     p.add_argument("--device", metavar="SELECTOR",
                    help="OpenCL device: cpu, gpu, a flat index N, P:D (platform:device), a driver (intel, pocl) or part of its name "
-                        "(see --list-devices). Default: the best usable GPU, else the best usable CPU driver. "
+                        "(see --list-devices). Default: the first usable GPU, else the best usable CPU driver. "
                         "A device that fails its probe is never chosen; naming one fails start (exit 2)")
     p.add_argument("--list-devices", action="store_true",
                    help="probe every OpenCL device, print the table (* marks the default choice) and exit: "

@@ -26,7 +26,7 @@ down; a second child carries on after the device that killed the first.
 PoCL 3.0 from PyPI fails here on CPUs its LLVM does not know (``unknown
 target CPU 'generic'`` on Zen 5).
 
-Selection (``--device``): None picks the best usable GPU of any platform, else
+Selection (``--device``): None picks the first usable GPU of any platform, else
 the best usable CPU, where best is ``DRIVER_PREFERENCE`` (measured, see
 docs/operations.md) then the newer driver version then enumeration order. A
 selector is "cpu", "gpu" or "accelerator" (the best usable of that type), a flat
@@ -377,10 +377,13 @@ def _version(text: str) -> tuple:
 
 
 def _preference(info) -> tuple:
-    """Sort key among usable devices: type, then DRIVER_PREFERENCE, then newer driver, then order."""
+    """Sort key among usable devices: GPUs first, in enumeration order; then CPUs by
+    DRIVER_PREFERENCE, the newer driver version, enumeration order; then the rest."""
+    kind = info["type"] if info["type"] in TYPE_ORDER else "other"
+    if kind != "cpu":
+        return (TYPE_ORDER.index(kind), 0, (), info["index"])
     driver = info.get("driver", "")
     rank = DRIVER_PREFERENCE.index(driver) if driver in DRIVER_PREFERENCE else len(DRIVER_PREFERENCE)
-    kind = info["type"] if info["type"] in TYPE_ORDER else "other"
     return (TYPE_ORDER.index(kind), rank, tuple(-n for n in _version(info.get("driver_version", ""))),
             info["index"])
 

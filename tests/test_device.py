@@ -147,6 +147,8 @@ def test_selection_skips_unusable_devices_and_prefers_measured_drivers():
     assert select_device(gpu, None) == 0
     gpu[0].update(usable=False, reason="probe kernel computed wrong values")
     assert select_device(gpu, None) == 1
+    gpus = probed(("Intel(R) OpenCL Graphics", "24.1", "gpu", None), ("NVIDIA CUDA", "550.1", "gpu", None))
+    assert select_device(gpus, None) == 0 == select_device(gpus, "gpu")   # GPUs: the first usable one
     for selector in ("0", "0:0", "dev0"):
         with pytest.raises(NoUsableDevice) as e:
             select_device(rows, selector)
