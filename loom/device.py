@@ -1,6 +1,6 @@
 """OpenCL device: drivers and probing, selection, the context and its one queue, and the memory pool.
 
-    device = Device("cpu")                       # or None: the best usable GPU, else CPU
+    device = Device("cpu")                       # or None: the first usable GPU, else the best CPU
     buf = device.pool.alloc(a.nbytes, owner="scout", kind="params", host=a)
     device.upload(buf, a); out = device.download(buf, np.float32, a.size)
     pending = device.download_async(buf, np.int32, 4)   # poll pending.done() from the loop
