@@ -4,7 +4,14 @@
     buf = device.pool.alloc(a.nbytes, owner="scout", kind="params", host=a)
     device.upload(buf, a); out = device.download(buf, np.float32, a.size)
     pending = device.download_async(buf, np.int32, 4)   # poll pending.done() from the loop
+    kernel = device.kernel(executable.program, "matmul"); kernel.set_args(...)
+    event = device.launch(kernel, (4864,), (8,)); device.flush(); device.finished(event)
+    device.copy_blocks(...), device.read_blocks_async(...), device.write_blocks_async(...)  # KV pages
     buf.release()
+
+The rest of the server reaches OpenCL only through this module and
+compiler.py (tests/test_layers.py checks it): kernels, launches, the queue,
+asynchronous and rectangular copies, and ``DriverError`` for what drivers raise.
 
 Drivers: the ICD loader (the one bundled in pyopencl's wheel) finds drivers by
 the ``.icd`` files in /etc/OpenCL/vendors (or the folder OCL_ICD_VENDORS names),
@@ -89,9 +96,12 @@ import numpy as np
 import pyopencl as cl
 from pyopencl._cl import _Program
 
-__all__ = ["KINDS", "DEFAULT_MEMORY_FRACTION", "DRIVER_PREFERENCE", "OutOfDeviceMemory", "NoUsableDevice",
-           "DeviceBuffer", "MemoryPool", "Transfer", "Device", "arrange_loader", "list_devices",
-           "select_device", "format_devices"]
+__all__ = ["KINDS", "DEFAULT_MEMORY_FRACTION", "DRIVER_PREFERENCE", "DriverError", "OutOfDeviceMemory",
+           "NoUsableDevice", "DeviceBuffer", "MemoryPool", "Transfer", "Device", "arrange_loader",
+           "list_devices", "select_device", "format_devices"]
+
+# What a driver call raises: callers catch it without importing pyopencl.
+DriverError = cl.Error
 
 log = logging.getLogger("loom.device")
 
@@ -740,6 +750,56 @@ class Device:
         event = cl.enqueue_copy(self.queue, array, buf.buffer, src_offset=offset, is_blocking=False)
         self.queue.flush()  # submitted now, so polling the event sees progress
         return Transfer(event, array)
+
+    # -- kernels, launches and asynchronous copies ---------------------------
+    # Everything the server enqueues goes through these, on the one in-order
+    # queue; nothing outside device.py and compiler.py touches pyopencl.
+
+    def kernel(self, program, entry: str):
+        """A kernel object of a built program (compiler.Executable.program). Set its
+        arguments with ``set_arg(i, value)`` / ``set_args(...)`` on the loop thread only."""
+        return cl.Kernel(program, entry)
+
+    def launch(self, kernel, grid, local=None):
+        """Enqueue ``kernel`` over ``grid`` (work-group ``local``, or the driver's choice); returns its event."""
+        return cl.enqueue_nd_range_kernel(self.queue, kernel, tuple(grid), None if local is None else tuple(local))
+
+    def flush(self) -> None:
+        """Submit what is queued, so events make progress while the loop polls."""
+        self.queue.flush()
+
+    @staticmethod
+    def finished(event) -> bool:
+        """Whether an enqueued command has completed (non-blocking)."""
+        return event.command_execution_status == cl.command_execution_status.COMPLETE
+
+    def upload_async(self, buf: DeviceBuffer, array: np.ndarray, offset: int = 0):
+        """Enqueue a copy of ``array`` into ``buf`` at byte ``offset``; returns its event.
+        The caller keeps ``array`` alive until the event has completed."""
+        self._check_span(buf, offset, array.nbytes)
+        if not array.nbytes:
+            return None
+        return cl.enqueue_copy(self.queue, buf.buffer, array, dst_offset=offset, is_blocking=False)
+
+    def copy_blocks(self, buffer, src: int, dst: int, block_bytes: int, blocks: int, pitch: int) -> None:
+        """Within one buffer, copy ``blocks`` blocks of ``block_bytes``, ``pitch`` bytes
+        apart, from byte ``src`` to byte ``dst`` (one rectangular copy: a KV page of every layer)."""
+        pitches = (pitch, blocks * pitch)
+        cl.enqueue_copy(self.queue, buffer, buffer, src_origin=(src, 0, 0), dst_origin=(dst, 0, 0),
+                        region=(block_bytes, blocks, 1), src_pitches=pitches, dst_pitches=pitches)
+
+    def read_blocks_async(self, buffer, host: np.ndarray, src: int, block_bytes: int, blocks: int, pitch: int):
+        """Enqueue a read of the same rectangle into ``host`` ([blocks, block_bytes]); returns its event."""
+        return cl.enqueue_copy(self.queue, host, buffer, buffer_origin=(src, 0, 0), host_origin=(0, 0, 0),
+                               region=(block_bytes, blocks, 1), buffer_pitches=(pitch, blocks * pitch),
+                               host_pitches=(block_bytes, blocks * block_bytes), is_blocking=False)
+
+    def write_blocks_async(self, buffer, host: np.ndarray, dst: int, block_bytes: int, blocks: int, pitch: int):
+        """Enqueue a write of ``host`` ([blocks, block_bytes]) into that rectangle; returns its event.
+        The caller keeps ``host`` alive until the event has completed."""
+        return cl.enqueue_copy(self.queue, buffer, host, buffer_origin=(dst, 0, 0), host_origin=(0, 0, 0),
+                               region=(block_bytes, blocks, 1), buffer_pitches=(pitch, blocks * pitch),
+                               host_pitches=(block_bytes, blocks * block_bytes), is_blocking=False)
 
     def metrics(self, registry) -> None:
         """Ownership gauges, computed from the pool at scrape time."""

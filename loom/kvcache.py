@@ -157,45 +157,35 @@ class PagedState:
     outer index (a layer), `pages * page_bytes` apart: rectangular copies move a
     page in one command per buffer."""
 
-    def __init__(self, queue, buffers):
-        """buffers: (cl.Buffer, groups, page_bytes, pages) per paged state."""
-        self.queue = queue
+    def __init__(self, device, buffers):
+        """buffers: (device buffer, groups, page_bytes, pages) per paged state."""
+        self.device = device
         self.buffers = buffers
         self.uploads = []     # (event, arrays) kept alive until their copy completes
 
     def copy(self, src, dst):
-        import pyopencl as cl
         for buf, groups, page_bytes, pages in self.buffers:
-            pitch = (pages * page_bytes, groups * pages * page_bytes)
-            cl.enqueue_copy(self.queue, buf, buf, src_origin=(src * page_bytes, 0, 0),
-                            dst_origin=(dst * page_bytes, 0, 0), region=(page_bytes, groups, 1),
-                            src_pitches=pitch, dst_pitches=pitch)
+            self.device.copy_blocks(buf, src * page_bytes, dst * page_bytes, page_bytes, groups, pages * page_bytes)
 
     def snapshot(self, page_ids):
         """Enqueue reads of the pages into new host arrays; -> (arrays, last event)."""
-        import pyopencl as cl
         arrays, event = [], None
         for buf, groups, page_bytes, pages in self.buffers:
             host = np.empty((len(page_ids), groups, page_bytes), np.uint8)
             for i, page in enumerate(page_ids):
-                event = cl.enqueue_copy(self.queue, host[i], buf, buffer_origin=(page * page_bytes, 0, 0),
-                                        host_origin=(0, 0, 0), region=(page_bytes, groups, 1),
-                                        buffer_pitches=(pages * page_bytes, groups * pages * page_bytes),
-                                        host_pitches=(page_bytes, groups * page_bytes), is_blocking=False)
+                event = self.device.read_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
+                                                      pages * page_bytes)
             arrays.append(host)
-        self.queue.flush()
+        self.device.flush()
         return arrays, event
 
     def restore(self, arrays, page_ids):
         """Enqueue writes of a snapshot into (fresh) pages; the arrays stay alive until done."""
-        import pyopencl as cl
         event = None
         for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
             for i, page in enumerate(page_ids):
-                event = cl.enqueue_copy(self.queue, buf, host[i], buffer_origin=(page * page_bytes, 0, 0),
-                                        host_origin=(0, 0, 0), region=(page_bytes, groups, 1),
-                                        buffer_pitches=(pages * page_bytes, groups * pages * page_bytes),
-                                        host_pitches=(page_bytes, groups * page_bytes), is_blocking=False)
-        self.queue.flush()
+                event = self.device.write_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
+                                                       pages * page_bytes)
+        self.device.flush()
         self.uploads = [(e, a) for e, a in self.uploads
-                        if e.command_execution_status != 0] + [(event, arrays)]
+                        if not self.device.finished(e)] + [(event, arrays)]

@@ -21,9 +21,9 @@ import os
 import time
 
 import numpy as np
-import pyopencl as cl
 
 from . import language, vm, weights
+from .device import DriverError
 from .language import LoomError
 
 PLAN_CACHE = 32     # plans (geometries) kept per deployment
@@ -181,7 +181,7 @@ class Prepared:
             try:
                 plan = ExecPlan(self, layout, built, binding)
                 error = None
-            except (LoomError, cl.Error, KeyError) as e:
+            except (LoomError, DriverError, KeyError) as e:
                 plan, error = None, PrepareError("plan", str(e))
             if plan is not None:
                 self.plans[key] = plan
@@ -250,7 +250,7 @@ class ExecPlan:
                     prepared.compiler.pin(executable)
                     self.executables.append(executable)
                 entry = binding.module.find("kernels", launch.kernel).entry
-                kernel = cl.Kernel(executable.program, entry)
+                kernel = prepared.device.kernel(executable.program, entry)
                 for i, (value, kind) in enumerate(zip(launch.args, launch.arg_types)):
                     if kind == "int":
                         kernel.set_arg(i, np.int32(value))
@@ -277,11 +277,11 @@ class ExecPlan:
         """Enqueue the whole plan; returns the last launch's event."""
         for kernel, i, name in self.slots:
             kernel.set_arg(i, buffers[name].buffer)
-        queue = self.prepared.device.queue
+        device = self.prepared.device
         event = None
         for kernel, grid, local in self.launches:
-            event = cl.enqueue_nd_range_kernel(queue, kernel, grid, local)
-        queue.flush()
+            event = device.launch(kernel, grid, local)
+        device.flush()
         return event
 
     def release(self):
@@ -300,7 +300,7 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
     the loop never blocks on the device. With `after(buffers, finish)` the outputs
     stay on the device for more work queued behind the plan (sampling), which
     calls finish(values, error) itself."""
-    pool, queue = prepared.device.pool, prepared.device.queue
+    device = prepared.device
     buffers, host = {}, []
 
     def finish(values, error):
@@ -311,11 +311,11 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
 
     try:
         for name, array in inputs.items():
-            buffers[name] = pool.alloc(array.nbytes, prepared.name, "workspace")
-            cl.enqueue_copy(queue, buffers[name].buffer, array, is_blocking=False)
+            buffers[name] = device.pool.alloc(array.nbytes, prepared.name, "workspace")
+            device.upload_async(buffers[name], array)
             host.append(array)  # alive until the copy has completed
         for name, (dtype, count) in outputs.items():
-            buffers[name] = pool.alloc(np.dtype(dtype).itemsize * count, prepared.name, "workspace")
+            buffers[name] = device.pool.alloc(np.dtype(dtype).itemsize * count, prepared.name, "workspace")
     except Exception as e:
         finish(None, e)
         return

@@ -84,7 +84,7 @@ class TextEngine:
         self.stage = stage                   # "advance" (text) or "encode" (known-token sequences)
         self.max_pages = prepared.spec("MAX_PAGES")
         self.pool = PagePool(pages, page_size)
-        self.paged = PagedState(prepared.device.queue, _paged_buffers(prepared, pages))
+        self.paged = PagedState(prepared.device, _paged_buffers(prepared, pages))
         self.rows = [None] * rows            # the Sequence in each row
         self.tables = [RowPages(self.pool, self.max_pages, self.paged.copy) for _ in range(rows)]
         self.history = [None] * rows         # idle rows: the tokens whose KV they still hold
@@ -545,7 +545,6 @@ class TextEngine:
 
     def _sample(self, buffers, R, params, seeds, done):
         """Runs after `advance` on the same in-order queue: logits -> token ids on the device."""
-        import pyopencl as cl
         device = self.prepared.device
         pool = device.pool
         owner = self.prepared.name
@@ -553,10 +552,10 @@ class TextEngine:
                  "seeds": pool.alloc(seeds.nbytes, owner, "workspace", host=seeds),
                  "work": pool.alloc(4 * R * self.vocab, owner, "workspace"),
                  "ids": pool.alloc(4 * R, owner, "workspace")}
-        kernel = cl.Kernel(self.sampler.program, "sample")
+        kernel = device.kernel(self.sampler.program, "sample")
         kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
                         extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
-        cl.enqueue_nd_range_kernel(device.queue, kernel, (R,), (1,))   # a row per work-group: rows spread over cores
+        device.launch(kernel, (R,), (1,))   # a row per work-group: rows spread over cores
         transfer = device.download_async(extra["ids"], np.int32, R)
 
         def release(values, error):

@@ -513,3 +513,31 @@ def test_metrics_gauges_parse(device):
     assert families["loom_device_memory_bytes"].samples == []
     assert families["loom_device_memory_used_bytes"].samples[0].value == 0
     assert registry.scrape_errors == 0
+
+
+def test_block_copies_reads_and_writes_move_one_page_of_every_layer(device):
+    """The rectangular copies kvcache.PagedState uses, against a numpy model of
+    the [groups][pages][page_bytes] layout."""
+    groups, pages, page = 3, 5, 64
+    model = np.random.default_rng(0).integers(0, 256, (groups, pages, page), dtype=np.uint8)
+    buf = device.pool.alloc(model.nbytes, owner="test", kind="state", host=model)
+    pitch = pages * page
+    device.copy_blocks(buf.buffer, 1 * page, 3 * page, page, groups, pitch)
+    model[:, 3] = model[:, 1]
+    host = np.empty((groups, page), np.uint8)
+    device.read_blocks_async(buf.buffer, host, 2 * page, page, groups, pitch).wait()
+    np.testing.assert_array_equal(host, model[:, 2])
+    fresh = np.arange(groups * page, dtype=np.uint8).reshape(groups, page)
+    event = device.write_blocks_async(buf.buffer, fresh, 0, page, groups, pitch)
+    device.flush()
+    event.wait()
+    assert device.finished(event)
+    model[:, 0] = fresh
+    np.testing.assert_array_equal(device.download(buf, np.uint8, model.size).reshape(model.shape), model)
+    staged = np.full(16, 7, np.uint8)
+    device.upload_async(buf, staged, offset=32).wait()
+    assert (device.download(buf, np.uint8, 48)[32:] == 7).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        device.upload_async(buf, staged, offset=model.nbytes - 8)
+    buf.release()
+    assert "test" not in device.pool.usage()["by_owner"]
