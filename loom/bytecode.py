@@ -29,7 +29,8 @@ from .language import (ARG_TYPES, DTYPES, KINDS, Command, Kernel, KernelArg, Loo
                        State, check)
 
 MAGIC = b"\x7fLOOMBC\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: kernel records carry `let` bindings; version 1 files (no lets) still read
+READABLE_VERSIONS = (1, 2)
 NONE = 0xFFFFFFFF
 
 STRINGS, CONSTS, MODULE, SPECS, PARAMS, STATES, KERNELS, COMMANDS, POLICY = range(1, 10)
@@ -137,7 +138,10 @@ def _kernel(w, k):
     for a in k.args:
         out += [w.s(a.name), u8(KERNEL_ARG_TYPES.index(a.type)), u8(len(a.binds))] + [w.s(b) for b in a.binds]
     out += [u8(1), w.s(k.library)] if k.library is not None else [u8(0), w.s(k.source)]
-    out += [w.s(k.entry), struct.pack("<H", len(k.defines))]
+    out += [w.s(k.entry), u8(len(k.lets))]
+    for name, code in k.lets:
+        out += [w.s(name), w.code(code)]
+    out += [struct.pack("<H", len(k.defines))]
     for name, code in k.defines:
         out += [w.opt(name), w.code(code)]
     out += [u8(len(k.grid))] + [w.code(g) for g in k.grid]
@@ -253,8 +257,9 @@ def read(data, source=None, checked=True):
     if head.take(len(MAGIC)) != MAGIC:
         raise LoomError(f"{source or '.loombc'}: not a .loombc file (bad magic)")
     version = head.u16()
-    if version != FORMAT_VERSION:
-        head.fail(f"format version {version} is not supported (this reader knows {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        head.fail(f"format version {version} is not supported (this reader knows "
+                  f"{', '.join(map(str, READABLE_VERSIONS))})")
     n = head.u16()
     if n * 12 > len(data) - head.pos:
         head.fail(f"section table of {n} entries does not fit in the file")
@@ -353,12 +358,13 @@ def read(data, source=None, checked=True):
         is_library = c.flag()
         text = c.s()
         entry = c.s()
+        lets = [(c.s(), c.code()) for _ in range(c.u8())] if version >= 2 else []
         defines = [(c.opt(), c.code()) for _ in range(c.u16())]
         grid = [c.code() for _ in range(c.u8())]
         local = [c.code() for _ in range(len(grid))] if c.flag() else None
         call = [c.code() for _ in range(c.u8())] if c.flag() else None
         module.kernels.append(Kernel(name, args, text if is_library else None, None if is_library else text,
-                                     entry, defines, grid, local, call))
+                                     entry, defines, grid, local, call, lets))
     c.done()
     c = cursor(COMMANDS)
     for _ in range(c.count(9, "command")):
@@ -420,6 +426,8 @@ def disassemble(module):
         where = k.library if k.library is not None else f"inline, {len(k.source)} chars"
         out.append(f"  {k.name} -> {k.entry} ({where}); args "
                    + ", ".join(a.name + ":" + a.type + (f"[{','.join(a.binds)}]" if a.binds else "") for a in k.args))
+        for name, code in k.lets:
+            out.append(f"    let {name} = {expr_text(code)}")
         for name, code in k.defines:
             out.append(f"    -D {name or '<flag>'} = {expr_text(code)}")
         if k.call is not None:

@@ -119,6 +119,7 @@ class Kernel:
     grid: list
     local: list | None
     call: list | None = None    # code per OpenCL argument when they differ from the declared ones
+    lets: list = field(default_factory=list)    # (name, code): local bindings, in order, before defines
 
 
 @dataclass
@@ -360,6 +361,11 @@ class Parser:
         else:
             raise self.error("expected 'from \"file.cl\"' or 'source \"\"\"...\"\"\"'")
         entry = self.string("an entry point name") if self.accept("entry") else name
+        lets = []
+        while self.accept("let"):
+            bound = self.name("a let name")
+            self.expect("=")
+            lets.append((bound, self.expr()))
         defines = []
         if self.accept("defines"):
             self.expect("{")
@@ -377,7 +383,8 @@ class Parser:
         self.expect("grid")
         grid = self.shape()
         local = self.shape() if self.accept("local") else None
-        self.declare(module, "kernels", Kernel(name, args, library, source, entry, defines, grid, local, call), tok)
+        self.declare(module, "kernels", Kernel(name, args, library, source, entry, defines, grid, local, call, lets),
+                     tok)
 
     def command(self, module, tok):
         name = self.name()
@@ -591,6 +598,11 @@ def check(module, source=None):
                 if bound in names:
                     fail(f"kernel {k.name}: dimension {bound!r} repeats a name")
                 names.add(bound)
+        for bound, code in k.lets:
+            _check_expr(code, names, f"kernel {k.name} let {bound}", fail)
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", bound) or bound in names:
+                fail(f"kernel {k.name}: let {bound!r} is not a new name")
+            names.add(bound)
         for define, code in k.defines:
             if define is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", define):
                 fail(f"kernel {k.name}: invalid define name {define!r}")
@@ -809,6 +821,8 @@ def format_module(module):
             out.append(f'    source """{k.source}"""')
         if k.entry != k.name:
             out.append(f"    entry {json.dumps(k.entry)}")
+        for bound, code in k.lets:
+            out.append(f"    let {bound} = {expr_text(code)}")
         if k.defines:
             defines = ", ".join(f"flag {expr_text(c)}" if d is None else f"{d} = {expr_text(c)}" for d, c in k.defines)
             out.append(f"    defines {{ {defines} }}")

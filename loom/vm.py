@@ -381,6 +381,8 @@ class Binding:
                     raise LoomError(f"{where}: argument {arg.name} has {len(shape)} dimensions, "
                                     f"the kernel binds {len(arg.binds)}")
                 names.update(zip(arg.binds, shape))
+        for bound, code in kernel.lets:     # each sees the arguments and the lets before it
+            names[bound] = evaluate(code, Scope(names, self._builtins(), f"{where} let {bound}"))
         scope = Scope(names, self._builtins(), where)
         defines = {}
         for define, code in kernel.defines:

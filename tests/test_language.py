@@ -293,3 +293,57 @@ def test_command_line(tmp_path):
     (tmp_path / "bad.loom").write_text("module x\nspec a = 1 +\n")
     bad = run("check", str(tmp_path / "bad.loom"))
     assert bad.returncode == 1 and "bad.loom:2:" in bad.stderr
+
+
+# -- kernel let bindings ---------------------------------------------------------------
+
+LETS = '''
+module lets kind text
+spec WIDE_ROWS = 4
+param w : weight [8, 64] = "w"
+kernel linear(x: buf, w: tensor[N, K], y: buf, T: int)
+    from "matmul.cl" entry "matmul"
+    let ACT8 = dtype(w) == "Q8_0" and T < 2
+    let ROWS = T >= 16 and not ACT8 ? WIDE_ROWS : 1
+    let LANES = ACT8 ? 64 : 8
+    defines { N = N, K = K, ROWS_PER_ITEM = ROWS, WG = LANES, flag ACT8 ? "ACT_Q8" : "ACT_F32" }
+    grid [ceil(ceil(N, ROWS), LANES) * LANES, T] local [LANES, 1]
+command go(x: buf, y: buf, T: int) {
+    linear(x, w, y, T)
+}
+'''
+
+
+def test_kernel_lets_bind_in_order_and_round_trip():
+    module = language.parse(LETS, "lets.loom")
+    assert [name for name, _ in module.find("kernels", "linear").lets] == ["ACT8", "ROWS", "LANES"]
+    assert language.parse(language.format_module(module)) == module
+    assert bytecode.read(bytecode.write(module)) == module
+    assert "let ROWS = " in language.format_module(module)
+    tensors = {"w": vm.Tensor((8, 64), "Q8_0")}
+    binding = vm.bind(module, {}, tensors)
+    for t, rows, lanes, act in ((1, 1, 64, "ACT_Q8"), (4, 1, 8, "ACT_F32"), (32, 4, 8, "ACT_F32")):
+        (launch,) = binding.plan("go", T=t).launches
+        assert (launch.defines["ROWS_PER_ITEM"], launch.defines["WG"], act in launch.defines) == (rows, lanes, True)
+        assert launch.grid == (-(-(-(-8 // rows)) // lanes) * lanes, t) and launch.local == (lanes, 1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("    let ROWS = T >= 16 and not ACT8 ? WIDE_ROWS : 1", "unknown name|ACT8"),   # a let before its binding
+    ("    let T = 1", "not a new name"),                                        # shadows an argument
+    ("    let WIDE_ROWS = 2", "not a new name"),                                # shadows a spec
+])
+def test_kernel_let_errors(change, message):
+    source = LETS.replace('    let ACT8 = dtype(w) == "Q8_0" and T < 2\n', change + '\n    let ACT8 = 1\n', 1)
+    with pytest.raises(LoomError, match=message):
+        language.parse(source, "lets.loom")
+
+
+def test_format_version_1_files_still_read():
+    """A .loombc written before kernels had lets (format version 1) reads as the same module."""
+    data = open(os.path.join(ROOT, "tests", "data", "sample-v1.loombc"), "rb").read()
+    assert struct.unpack("<H", data[8:10]) == (1,)
+    assert bytecode.read(data) == sample()
+    assert struct.unpack("<H", bytecode.write(sample())[8:10]) == (bytecode.FORMAT_VERSION,) == (2,)
+    with pytest.raises(LoomError, match="format version 3 is not supported"):
+        bytecode.read(data[:8] + struct.pack("<H", 3) + data[10:])
