@@ -26,6 +26,9 @@ ENDPOINTS = {"text": "/v1/chat/completions", "sequence": "/v1/sequences", "embed
 MODALITIES = {"text": (["text"], ["text"]), "sequence": (["tokens"], ["tensor"]),
               "embedding": (["text", "tokens"], ["embedding"]), "decision": (["text"], ["probabilities"]),
               "image": (["text"], ["image"]), "speech": (["text"], ["audio"]), "recognition": (["audio"], ["text"])}
+# The kinds this build serves; the others are known names whose services are not built yet,
+# and a document naming one rejects rather than becoming "ready" behind routes that 404.
+SERVED_KINDS = ("text", "sequence", "embedding", "decision")
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -225,6 +228,9 @@ class Registry:
             doc = DOCUMENT.validate(doc)
         except jsonin.JSONInputError as e:
             raise HTTPError(400, e.message, e.code, e.param) from None
+        if doc["kind"] not in SERVED_KINDS:
+            raise HTTPError(400, f"kind {doc['kind']!r} has no implementation in this build "
+                                 f"(served kinds: {', '.join(SERVED_KINDS)})", "unsupported_kind", "kind")
         if doc["model"] in self.registrations:
             raise HTTPError(409, f"model {doc['model']!r} is already registered", "duplicate_model", "model")
         base = doc.get("base_directory") or base_directory
