@@ -14,6 +14,7 @@ import threading
 import time
 
 from . import jsonin, packages, runtime
+from .device import OutOfDeviceMemory
 from .http import Deferred, HTTPError, Response
 from .jsonin import Arr, Bool, Enum, Int, Obj, Str
 
@@ -644,7 +645,7 @@ class Job:
         if isinstance(error, HTTPError):
             response = error.response()
         elif error is not None:
-            status = 503 if type(error).__name__ == "OutOfDeviceMemory" else 500
+            status = 503 if isinstance(error, OutOfDeviceMemory) else 500
             response = HTTPError(status, f"{self.what} failed: {getattr(error, 'message', error)}",
                                  "device_memory" if status == 503 else "execution_failed").response()
         if not self.gone and response is not None:
