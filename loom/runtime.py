@@ -240,7 +240,7 @@ class ExecPlan:
         self.executables = []
         try:
             for name, (dtype, dims) in layout.scratch.items():
-                nbytes = (2 if dtype == "f16" else 4) * math.prod(dims)
+                nbytes = vm.itemsize(dtype) * math.prod(dims)
                 self.scratch[name] = pool.alloc(nbytes, prepared.name, "workspace")
             self.launches = []       # (kernel, global, local)
             self.slots = []          # (kernel, arg index, command buffer arg name)
@@ -376,7 +376,7 @@ def _upload(prepared, checkpoint, progress):
     for state in prepared.binding.states.values():
         pages = prepared.binding.options.get("pages", 0) if state.page else 1
         count = math.prod(state.dims) * (state.page * pages if state.page else 1)
-        nbytes = (2 if state.dtype == "f16" else 4) * count
+        nbytes = vm.itemsize(state.dtype) * count
         prepared.states[state.name] = prepared.device.pool.alloc(nbytes, prepared.name, "state")
 
 

@@ -32,7 +32,7 @@ import logging
 
 import numpy as np
 
-from . import runtime
+from . import runtime, vm
 from .kvcache import Checkpoint, History, OutOfPages, PagedState, PagePool, RowPages
 
 log = logging.getLogger("loom.scheduler")
@@ -631,7 +631,7 @@ def _paged_buffers(prepared, pages):
     out = []
     for state in prepared.binding.states.values():
         if state.page:
-            itemsize = 2 if state.dtype == "f16" else 4
+            itemsize = vm.itemsize(state.dtype)
             inner = int(np.prod(state.dims[1:], dtype=np.int64)) if len(state.dims) > 1 else 1
             groups = state.dims[0] if state.dims else 1
             out.append((prepared.states[state.name].buffer, groups, state.page * inner * itemsize, pages))

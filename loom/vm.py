@@ -52,10 +52,11 @@ class Plan:
     launches: list = field(default_factory=list)
 
     def scratch_bytes(self):
-        return sum(_itemsize(dtype) * math.prod(dims) for dtype, dims in self.scratch.values())
+        return sum(itemsize(dtype) * math.prod(dims) for dtype, dims in self.scratch.values())
 
 
-def _itemsize(dtype):
+def itemsize(dtype):
+    """Bytes per element of a scratch or state dtype (f16 2, f32 and i32 4)."""
     return 2 if dtype == "f16" else 4
 
 
