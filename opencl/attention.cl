@@ -103,29 +103,7 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
         const __global KV_T *vp = Vc + base;
 
         float s[PAGE_SIZE];
-        float bm = -FLT_MAX;
-        for (int j = 0; j < n; j++) {
-            float8 d = (float8)(0.0f);
-            #pragma unroll
-            for (int c = 0; c < HD8; c++)
-                d += qv[c] * LDKV(kp + (size_t)j * KV_ROW + 8 * c);
-            s[j] = loom_hsum8(d);
-            bm = s[j] > bm ? s[j] : bm;
-        }
-        const float mn = bm > m ? bm : m;
-        const float corr = loom_exp(m - mn);
-        l *= corr;
-        #pragma unroll
-        for (int c = 0; c < HD8; c++)
-            av[c] *= corr;
-        for (int j = 0; j < n; j++) {
-            const float pj = loom_exp(s[j] - mn);
-            l += pj;
-            #pragma unroll
-            for (int c = 0; c < HD8; c++)
-                av[c] += pj * LDKV(vp + (size_t)j * KV_ROW + 8 * c);
-        }
-        m = mn;
+        LOOM_SOFTMAX_TILE(qv, av, m, l, s, kp, KV_ROW, vp, KV_ROW, n, HD8, LDKV);
     }
 
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;

@@ -81,29 +81,7 @@ __kernel void attention_seq(const __global float *Q, int q_off, int ldq,
         const __global float *kp = K + k_off + (size_t)u0 * ldk + g * HEAD_DIM;
         const __global float *vp = V + v_off + (size_t)u0 * ldv + g * HEAD_DIM;
         float s[TILE];
-        float bm = -FLT_MAX;
-        for (int j = 0; j < n; j++) {
-            float8 d = (float8)(0.0f);
-            #pragma unroll
-            for (int c = 0; c < HD8; c++)
-                d += qv[c] * loom_ld_float8(kp + (size_t)j * ldk + 8 * c);
-            s[j] = loom_hsum8(d);
-            bm = s[j] > bm ? s[j] : bm;
-        }
-        const float mn = bm > m ? bm : m;
-        const float corr = loom_exp(m - mn);
-        l *= corr;
-        #pragma unroll
-        for (int c = 0; c < HD8; c++)
-            av[c] *= corr;
-        for (int j = 0; j < n; j++) {
-            const float pj = loom_exp(s[j] - mn);
-            l += pj;
-            #pragma unroll
-            for (int c = 0; c < HD8; c++)
-                av[c] += pj * loom_ld_float8(vp + (size_t)j * ldv + 8 * c);
-        }
-        m = mn;
+        LOOM_SOFTMAX_TILE(qv, av, m, l, s, kp, ldk, vp, ldv, n, HD8, loom_ld_float8);
     }
 
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;

@@ -251,3 +251,37 @@ inline float loom_q4_0_at(const __global uchar *row, int i)
     int q = j < 16 ? (b & 15) : (b >> 4);
     return loom_block_scale(blk) * (float)(q - 8);
 }
+
+/* One tile of an online softmax over key/value rows (attention.cl and
+ * attention_seq.cl): n rows (n <= the length of the float array s), keys at
+ * kp and values at vp, kstride and vstride elements apart, each row `hd8` float8s loaded
+ * with LOAD8(pointer). Scores s[j] = qv . k_j; the running max m, sum l and
+ * output av (hd8 float8s) are rescaled once per tile, then the weighted
+ * values added. Start with m = -FLT_MAX (not -inf, so the first rescale is
+ * exp(-huge) = 0, never inf - inf), l = 0, av = 0; finish with av / l. */
+#define LOOM_SOFTMAX_TILE(qv, av, m, l, s, kp, kstride, vp, vstride, n, hd8, LOAD8) \
+    do {                                                                   \
+        float bm_ = -FLT_MAX;                                              \
+        for (int j_ = 0; j_ < (n); j_++) {                                 \
+            float8 d_ = (float8)(0.0f);                                    \
+            _Pragma("unroll")                                              \
+            for (int c_ = 0; c_ < (hd8); c_++)                             \
+                d_ += (qv)[c_] * LOAD8((kp) + (size_t)j_ * (kstride) + 8 * c_); \
+            (s)[j_] = loom_hsum8(d_);                                      \
+            bm_ = (s)[j_] > bm_ ? (s)[j_] : bm_;                           \
+        }                                                                  \
+        const float mn_ = bm_ > (m) ? bm_ : (m);                           \
+        const float corr_ = loom_exp((m) - mn_);                           \
+        (l) *= corr_;                                                      \
+        _Pragma("unroll")                                                  \
+        for (int c_ = 0; c_ < (hd8); c_++)                                 \
+            (av)[c_] *= corr_;                                             \
+        for (int j_ = 0; j_ < (n); j_++) {                                 \
+            const float pj_ = loom_exp((s)[j_] - mn_);                     \
+            (l) += pj_;                                                    \
+            _Pragma("unroll")                                              \
+            for (int c_ = 0; c_ < (hd8); c_++)                             \
+                (av)[c_] += pj_ * LOAD8((vp) + (size_t)j_ * (vstride) + 8 * c_); \
+        }                                                                  \
+        (m) = mn_;                                                         \
+    } while (0)

@@ -645,8 +645,9 @@ def test_attention_is_stable_for_large_scores(env):
     assert_close(env.read(ob, (2, heads * dh)), ref.reshape(2, -1), 1e-5)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_seq(env, causal):
+@pytest.mark.parametrize("causal, split_v", [(False, False), (True, False), (False, True)])
+def test_attention_seq(env, causal, split_v):
+    """split_v: values from their own buffer, at another offset and leading dimension than the keys."""
     heads, kvh, dh = 6, 2, 32
     prg = env.build("attention_seq", N_HEADS=heads, N_KV_HEADS=kvh, HEAD_DIM=dh, CAUSAL=causal)
     lens = [1, 17, 5, 40]
@@ -658,8 +659,13 @@ def test_attention_seq(env, causal):
     ob = env.empty(t * qw * 4)
     scale = 1.0 / np.sqrt(dh)
     b = env.buf(qkv)
+    v_args = (b, i32(qw + kw), i32(ld))
+    if split_v:
+        values = np.zeros((t, kw + 8), np.float32)
+        values[:, 8:] = qkv[:, qw + kw:]
+        v_args = (env.buf(values), i32(8), i32(kw + 8))
     env.run(prg.attention_seq, (heads, t), None, b, i32(0), i32(ld), b, i32(qw), i32(ld),
-            b, i32(qw + kw), i32(ld), env.buf(offsets), i32(len(lens)), ob, i32(0), i32(qw),
+            *v_args, env.buf(offsets), i32(len(lens)), ob, i32(0), i32(qw),
             i32(t), f32(scale))
     x = qkv.astype(np.float64)
     ref = np.zeros((t, heads, dh))
