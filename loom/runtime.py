@@ -52,7 +52,7 @@ def _device_array(checkpoint, tensor, storage):
     info = checkpoint.tensors[tensor]
     if storage in ("Q8_0", "Q4_0"):
         raw = np.frombuffer(checkpoint.raw(tensor), np.uint8)
-        block = 34 if storage == "Q8_0" else 18
+        block = weights.BLOCK_LAYOUT[storage][1]
         scales = raw.reshape(-1, block)[:, :2].copy().view(np.float16)
         if not np.isfinite(scales).all():
             # The kernels decode blocks without checks: an inf/NaN scale would read back as garbage.
@@ -418,8 +418,8 @@ def _tokenizer(checkpoint_path, checkpoint):
 
 
 def _storage_bytes(shape, storage):
-    count = math.prod(shape)
-    return {"Q8_0": count // 32 * 34, "Q4_0": count // 32 * 18, "F16": 2 * count}.get(storage, 4 * count)
+    values, size = weights.BLOCK_LAYOUT.get(storage, (1, 4))   # I32 params: 4 bytes a value
+    return math.prod(shape) // values * size
 
 
 def _flatten(value, prefix):
