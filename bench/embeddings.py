@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from loom import demo, runtime  # noqa: E402
 from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
-from loom.embeddings import pack  # noqa: E402
+from loom.scheduler import pack  # noqa: E402
 from loom.weights import open_checkpoint  # noqa: E402
 
 SENTENCES = ["The customer cannot log in.", "Account access problem", "Payments and invoices are overdue.",

@@ -111,16 +111,14 @@ def bench_parsers():
 # -- 2. servers ------------------------------------------------------------------
 
 def serve_loom(port):
-    from loom import routes
     from loom.http import Response
     from loom.server import Config, Server
 
     def sink(server, request):
         return Response.json({"bytes": len(request.body)})
 
-    table = routes.Table(routes.ROUTES + [("POST", "/bench/sink", sink)])
     server = Server(Config(listen=[f"tcp:127.0.0.1:{port}"], request_body_bytes=4 * MiB),
-                    dispatch=lambda s, r: routes.dispatch(s, r, table))
+                    extra_routes=[("POST", "/bench/sink", sink)])
     server.start()
     sys.exit(server.serve_forever())
 

@@ -15,7 +15,12 @@ is what retained-conversation reuse will key on.
 
 import json
 
-from .http import HTTPError
+from .errors import Problem
+
+
+class ChatError(Problem):
+    """A conversation this chat policy cannot frame (errors.STATUS gives its status)."""
+
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -48,7 +53,7 @@ class ChatPolicy:
         system_text = "\n\n".join(_text(m["content"]) for m in system)
         if tools:
             if not self.tools:
-                raise HTTPError(400, "this model's chat format has no tool calling", "unsupported_value", "tools")
+                raise ChatError("this model's chat format has no tool calling", "unsupported_value", "tools")
             catalog = "\n".join(json.dumps(t, ensure_ascii=False, separators=(", ", ": ")) for t in tools)
             preamble = self.tools["preamble"].replace("{tools}", catalog)
             system_text = f"{system_text}\n\n{preamble}" if system_text else preamble
@@ -68,7 +73,7 @@ class ChatPolicy:
             return self.reasoning.get("default", True) if self.reasoning else None
         if not self.reasoning:
             if enable_thinking:
-                raise HTTPError(400, "this model does not support reasoning", "unsupported_value", "enable_thinking")
+                raise ChatError("this model does not support reasoning", "unsupported_value", "enable_thinking")
             return None
         return enable_thinking
 
@@ -80,7 +85,7 @@ class ChatPolicy:
                 try:
                     arguments = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
                 except json.JSONDecodeError:
-                    raise HTTPError(400, "tool call arguments must be a JSON object", "invalid_value",
+                    raise ChatError("tool call arguments must be a JSON object", "invalid_value",
                                     "messages.tool_calls.function.arguments") from None
                 body = json.dumps({"name": fn["name"], "arguments": arguments}, ensure_ascii=False)
                 text += ("\n" if text else "") + self.tools["open"] + body + self.tools["close"] if self.tools \
@@ -99,8 +104,10 @@ def _text(content):
     return "".join(part["text"] for part in content if part.get("type") == "text")
 
 
-class ToolCallError(ValueError):
+class ToolCallError(Problem):
     """Generated text that opened a tool call but is not a valid one."""
+
+    code = "invalid_tool_call"
 
 
 class OutputParser:

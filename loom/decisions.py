@@ -16,10 +16,11 @@ import json
 
 import numpy as np
 
-from . import registry, runtime
-from .embeddings import pack
-from .http import HTTPError, Response
+from . import kinds
+from .errors import Error
+from .http import Response
 from .jsonin import Any_, Arr, Enum, Map, Obj, OneOf, Str
+from .scheduler import BatchEngine, pack
 
 MAX_QUESTIONS = 1024
 MAX_OPTIONS = 255
@@ -52,32 +53,32 @@ def _options(qid, question):
     kind, criteria = question["type"], question.get("criteria")
     if kind == "noul":
         if criteria is not None:
-            raise HTTPError(422, f"question {qid!r}: noul questions take no criteria", "invalid_schema",
+            raise Error(422, f"question {qid!r}: noul questions take no criteria", "invalid_schema",
                             f"questions.{qid}.criteria")
         return None, ["Yes.", "No."], None
     if kind == "choice":
         if not isinstance(criteria, dict) or not 1 <= len(criteria) <= MAX_OPTIONS:
-            raise HTTPError(422, f"question {qid!r}: choice criteria must map 1 to {MAX_OPTIONS} option ids "
+            raise Error(422, f"question {qid!r}: choice criteria must map 1 to {MAX_OPTIONS} option ids "
                                  "to descriptions", "invalid_schema", f"questions.{qid}.criteria")
         for option, description in criteria.items():
             if not option or description is None:
-                raise HTTPError(422, f"question {qid!r}: option ids must be nonempty with a description",
+                raise Error(422, f"question {qid!r}: option ids must be nonempty with a description",
                                 "invalid_schema", f"questions.{qid}.criteria")
         return list(criteria), [_text(v) for v in criteria.values()], None
     if not isinstance(criteria, list) or not 2 <= len(criteria) <= 10 or any(c is None for c in criteria):
-        raise HTTPError(422, f"question {qid!r}: score criteria must list 2 to 10 ordered levels", "invalid_schema",
+        raise Error(422, f"question {qid!r}: score criteria must list 2 to 10 ordered levels", "invalid_schema",
                         f"questions.{qid}.criteria")
     return None, [_text(c) for c in criteria], criteria
 
 
 def create(server, request):
     body = request.json(SPEC)
-    reg = server.registry.admit(body["model"], "decision")
+    reg = server.registry.admit(body["model"], KIND)
     request.model = reg.name
     if reg.prepared.tokenizer is None:
-        raise HTTPError(422, f"model {reg.name!r} has no tokenizer for decision texts", "no_tokenizer", "model")
+        raise Error(422, f"model {reg.name!r} has no tokenizer for decision texts", "no_tokenizer", "model")
     if _images(body["state"]) or any(_images(q["instructions"]) for q in body["questions"].values()):
-        raise HTTPError(400, "image inputs are not accepted by /v1/systemone", "unsupported_input", "state")
+        raise Error(400, "image inputs are not accepted by /v1/systemone", "unsupported_input", "state")
     state = _text(body["state"])
     plan = []   # (question id, type, option ids, legend, texts: query first)
     for qid, question in body["questions"].items():
@@ -96,21 +97,28 @@ def _tokenize(prepared, plan):
         for text in texts:
             ids = tok.encode(text, add_special=prepared.policy.get("add_special", True))
             if len(ids) > capacity:
-                raise HTTPError(422, f"question {qid!r}: a text has {len(ids)} tokens, over the model's {capacity}",
+                raise Error(422, f"question {qid!r}: a text has {len(ids)} tokens, over the model's {capacity}",
                                 "input_too_long", f"questions.{qid}")
             sequences.append(ids)
     return sequences
 
 
-class Job(registry.Job):
-    """One decision request: tokenizing, one device step, validation."""
+COHORT_TOKENS = 8192   # a cohort closes at this many tokens...
+COHORT_INPUTS = 1024   # ...or texts; a larger request runs as a cohort of its own
+
+
+class Job(kinds.Job):
+    """One decision request: tokenizing, its share of a cohort, validation."""
 
     what = "decision"
+    key = None          # any requests can share a cohort
 
     def __init__(self, server, reg, request, plan):
         super().__init__(server, reg, request)
         self.plan = plan
+        self.sequences = None
         self.tokens = 0
+        self.inputs = sum(len(texts) for *_, texts in plan)
 
     def run(self):
         self.server.loop.run_in_executor(_tokenize, self.tokenized, self.reg.prepared, self.plan)
@@ -119,28 +127,18 @@ class Job(registry.Job):
         if error is not None or self.gone:
             self.finish(error=error)
             return
-        ids, pos, offsets = pack(sequences)
-        sizes = [len(texts) for *_, texts in self.plan]
-        groups = np.zeros(len(sizes) + 1, np.int32)
-        np.cumsum(sizes, out=groups[1:])
-        self.tokens = int(ids.size)
-        options = len(sequences) - len(sizes)
-        runtime.run_stage(self.reg.prepared, self.server.loop, "decide",
-                          {"T": int(ids.size), "S": len(sequences), "G": len(sizes)},
-                          {"ids": ids, "pos": pos, "offsets": offsets, "groups": groups},
-                          {"probs": (np.float32, options)}, self.decided)
+        self.sequences = sequences
+        self.tokens = sum(len(s) for s in sequences)
+        self.engine.submit(self)
 
-    def decided(self, values, error):
-        if error is not None or self.gone:
-            self.finish(error=error)
-            return
-        probs, at, answers = values["probs"], 0, {}
+    def decided(self, probs):
+        at, answers = 0, {}
         for qid, kind, ids, legend, texts in self.plan:
             p = probs[at:at + len(texts) - 1]
             at += len(texts) - 1
             if not (np.isfinite(p).all() and (p >= 0).all() and abs(float(p.sum()) - 1) <= SUM_TOLERANCE):
-                self.finish(error=HTTPError(500, f"the model produced a malformed probability vector for "
-                                                 f"question {qid!r}", "malformed_output"))
+                self.finish(error=Error(500, f"the model produced a malformed probability vector for "
+                                             f"question {qid!r}", "malformed_output"))
                 return
             values_ = [float(x) for x in p]
             if kind == "choice":
@@ -154,3 +152,45 @@ class Job(registry.Job):
         self.finish(Response.json({"object": "systemone.decision", "model": self.reg.name, "answers": answers,
                                    "usage": {"prompt_tokens": self.tokens, "completion_tokens": 0,
                                              "total_tokens": self.tokens}}))
+
+
+class Batch:
+    """Several requests' questions in one `decide` step: their groups back to back,
+    each request's option probabilities a contiguous slice of the output."""
+
+    def stage(self, jobs):
+        sequences = [s for job in jobs for s in job.sequences]
+        ids, pos, offsets = pack(sequences)
+        sizes = [len(texts) for job in jobs for *_, texts in job.plan]
+        groups = np.zeros(len(sizes) + 1, np.int32)
+        np.cumsum(sizes, out=groups[1:])
+        options = len(sequences) - len(sizes)
+        return ("decide", {"T": int(ids.size), "S": len(sequences), "G": len(sizes)},
+                {"ids": ids, "pos": pos, "offsets": offsets, "groups": groups}, {"probs": (np.float32, options)})
+
+    def deliver(self, jobs, values, error):
+        at = 0
+        for job in jobs:
+            options = job.inputs - len(job.plan)
+            mine = None if error is not None else values["probs"][at:at + options]
+            at += options
+            if error is not None:
+                job.finish(error=error)
+            elif job.gone:
+                job.finish()
+            else:
+                job.decided(mine)
+
+
+class Decision(kinds.Kind):
+    name = "decision"
+    endpoint = "/v1/systemone"
+    routes = [("POST", "/v1/systemone", create)]
+    inputs, outputs = ["text"], ["probabilities"]
+    probes = [("decide", {"T": 2, "S": 2, "G": 1})]
+
+    def start(self, reg, loop):
+        return BatchEngine(reg.prepared, loop, Batch(), COHORT_TOKENS, COHORT_INPUTS)
+
+
+KIND = Decision()

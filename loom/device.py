@@ -96,6 +96,8 @@ import numpy as np
 import pyopencl as cl
 from pyopencl._cl import _Program
 
+from .errors import Problem
+
 __all__ = ["KINDS", "DEFAULT_MEMORY_FRACTION", "DRIVER_PREFERENCE", "DriverError", "OutOfDeviceMemory",
            "NoUsableDevice", "DeviceBuffer", "MemoryPool", "Transfer", "Device", "arrange_loader",
            "list_devices", "select_device", "format_devices"]
@@ -448,8 +450,10 @@ def select_device(devices: list, selector: str | None) -> int:
 
 # -- memory accounting -----------------------------------------------------
 
-class OutOfDeviceMemory(Exception):
-    """An allocation the pool (or the driver) cannot satisfy; the server answers 503."""
+class OutOfDeviceMemory(Problem):
+    """An allocation the pool (or the driver) cannot satisfy (code device_memory: 503)."""
+
+    code = "device_memory"
 
     def __init__(self, requested: int, available: int, limit: int, owner: str, kind: str, reason: str = ""):
         self.requested, self.available, self.limit = requested, available, limit

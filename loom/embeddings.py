@@ -20,13 +20,14 @@ worker thread waits for the device so the loop never does.
 """
 
 import base64
-import collections
 
 import numpy as np
 
-from . import registry, runtime
-from .http import HTTPError, Response
+from . import kinds
+from .errors import Error
+from .http import Response
 from .jsonin import Arr, Enum, Int, Obj, OneOf, Str
+from .scheduler import BatchEngine, pack
 
 INPUT_ITEMS = 2048
 
@@ -45,13 +46,13 @@ def _check(sequences, prepared):
     vocab, capacity = prepared.spec("VOCAB"), prepared.spec("MAX_TOKENS")
     for i, ids in enumerate(sequences):
         if not ids:
-            raise HTTPError(400, f"input {i} is empty", "invalid_value", "input")
+            raise Error(400, f"input {i} is empty", "invalid_value", "input")
         if len(ids) > capacity:
-            raise HTTPError(400, f"input {i} has {len(ids)} tokens; this model takes at most {capacity}",
+            raise Error(400, f"input {i} has {len(ids)} tokens; this model takes at most {capacity}",
                             "context_length_exceeded", "input")
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
-            raise HTTPError(400, f"input {i}: token id {bad} is outside the vocabulary (size {vocab})",
+            raise Error(400, f"input {i}: token id {bad} is outside the vocabulary (size {vocab})",
                             "invalid_value", "input")
     return sequences
 
@@ -64,18 +65,18 @@ def tokenize(prepared, texts):
 
 def create(server, request):
     body = request.json(SPEC)
-    reg = server.registry.admit(body["model"], "embedding")
+    reg = server.registry.admit(body["model"], KIND)
     prepared = reg.prepared
     request.model = reg.name
     width = body.get("dimensions", prepared.spec("DIM"))
     if width not in supported_widths(prepared):
-        raise HTTPError(400, f"dimensions {width} is not a width this model supports: "
-                             f"{', '.join(map(str, supported_widths(prepared)))}", "unsupported_value", "dimensions")
+        raise Error(400, f"dimensions {width} is not a width this model supports: "
+                         f"{', '.join(map(str, supported_widths(prepared)))}", "unsupported_value", "dimensions")
     value = body["input"]
     texts = None
     if isinstance(value, str) or isinstance(value[0], str):
         if prepared.tokenizer is None:
-            raise HTTPError(400, "this deployment has no tokenizer: send token IDs", "no_tokenizer", "input")
+            raise Error(400, "this deployment has no tokenizer: send token IDs", "no_tokenizer", "input")
         texts = [value] if isinstance(value, str) else value
         sequences = None
     else:
@@ -89,36 +90,37 @@ COHORT_TOKENS = 8192   # a cohort closes at this many tokens...
 COHORT_INPUTS = 256    # ...or inputs; a request larger than that runs as a cohort of its own
 
 
-class Job(registry.Job):
+class Job(kinds.Job):
     """One request: its inputs, its share of a cohort, its response."""
 
     what = "embedding"
 
     def __init__(self, server, reg, request, sequences, encoding, texts=None, width=None):
         super().__init__(server, reg, request)
-        self.width = width or reg.prepared.spec("DIM")
+        self.key = self.width = width or reg.prepared.spec("DIM")   # one output width per cohort
         self.sequences = sequences
         self.texts = texts       # text inputs, tokenized on a worker once admitted
         self.tokens = sum(len(s) for s in sequences) if sequences else 0
+        self.inputs = len(sequences or texts)
         self.encoding = encoding
 
     def run(self):
         if self.sequences is None:
             self.server.loop.run_in_executor(tokenize, self.tokenized, self.reg.prepared, self.texts)
         else:
-            batcher(self.server, self.reg).add(self)
+            self.engine.submit(self)
 
     def tokenized(self, sequences, error):
         if error is None:
             try:
                 self.sequences = _check(sequences, self.reg.prepared)
                 self.tokens = sum(len(s) for s in sequences)
-            except HTTPError as e:
+            except Error as e:
                 error = e
         if error is not None or self.gone:
             self.finish(error=error)
         else:
-            batcher(self.server, self.reg).add(self)
+            self.engine.submit(self)
 
     def deliver(self, rows):
         data = []
@@ -130,76 +132,24 @@ class Job(registry.Job):
                                    "usage": {"prompt_tokens": self.tokens, "total_tokens": self.tokens}}))
 
 
-def batcher(server, reg):
-    if getattr(reg, "batcher", None) is None:
-        reg.batcher = Batcher(server, reg)
-    return reg.batcher
+class Batch:
+    """Several requests' inputs in one `embed` (or `embed_narrow`) step."""
 
+    def __init__(self, prepared):
+        self.prepared = prepared
 
-class Batcher:
-    """Dynamic batching: requests that arrive while a cohort runs form the next
-    one, so clients share device steps without waiting for each other to start."""
-
-    def __init__(self, server, reg):
-        self.server, self.reg = server, reg
-        self.queue = collections.deque()
-        self.running = False
-        self.cohorts = 0         # for /v1/status: how much sharing happens
-        self.requests = 0
-
-    def add(self, job):
-        self.queue.append(job)
-        if not self.running:
-            self.running = True
-            self.server.loop.call_soon(self.flush)  # same-tick arrivals join this cohort
-
-    def flush(self):
-        jobs, tokens, inputs = [], 0, 0
-        while self.queue:
-            job = self.queue[0]
-            if job.gone:
-                self.queue.popleft().finish()
-                continue
-            if jobs and (tokens + job.tokens > COHORT_TOKENS or inputs + len(job.sequences) > COHORT_INPUTS
-                         or job.width != jobs[0].width):   # one output width per cohort
-                break
-            jobs.append(self.queue.popleft())
-            tokens += job.tokens
-            inputs += len(job.sequences)
-        if not jobs:
-            self.running = False
-            return
-        self.cohorts += 1
-        self.requests += len(jobs)
-        Cohort(self, jobs)
-
-    def retired(self):
-        self.flush()
-
-
-class Cohort:
-    """Several requests' inputs in one device step."""
-
-    def __init__(self, batcher, jobs):
-        self.batcher, self.jobs = batcher, jobs
-        sequences = [s for job in jobs for s in job.sequences]
-        for job in jobs:
-            job.request.state = "running"
-        ids, pos, offsets = pack(sequences)
-        prepared = batcher.reg.prepared
-        self.count = len(sequences)
-        width = jobs[0].width
-        command, geometry = "embed", {"T": int(ids.size), "S": self.count}
-        if width != prepared.spec("DIM"):
+    def stage(self, jobs):
+        ids, pos, offsets = pack([s for job in jobs for s in job.sequences])
+        count, width = len(offsets) - 1, jobs[0].width
+        command, geometry = "embed", {"T": int(ids.size), "S": count}
+        if width != self.prepared.spec("DIM"):
             command, geometry = "embed_narrow", dict(geometry, W=width)
-        runtime.run_stage(prepared, batcher.server.loop, command, geometry,
-                          {"ids": ids, "pos": pos, "offsets": offsets},
-                          {"out": (np.float32, self.count * width)}, self.done)
+        return command, geometry, {"ids": ids, "pos": pos, "offsets": offsets}, {"out": (np.float32, count * width)}
 
-    def done(self, values, error):
-        rows = None if error is not None else values["out"].reshape(self.count, -1)
+    def deliver(self, jobs, values, error):
+        rows = None if error is not None else values["out"].reshape(sum(len(j.sequences) for j in jobs), -1)
         row = 0
-        for job in self.jobs:
+        for job in jobs:
             mine = None if rows is None else rows[row:row + len(job.sequences)]
             row += len(job.sequences)
             if error is not None:
@@ -208,7 +158,6 @@ class Cohort:
                 job.finish()  # its rows are dropped; its peers are not disturbed
             else:
                 job.deliver(mine)
-        self.batcher.retired()
 
 
 def supported_widths(prepared):
@@ -220,10 +169,22 @@ def supported_widths(prepared):
     return sorted(widths)
 
 
-def pack(sequences):
-    """Token lists -> (ids, positions within each, offsets), as the stage commands take them."""
-    ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
-    offsets = np.zeros(len(sequences) + 1, np.int32)
-    np.cumsum([len(s) for s in sequences], out=offsets[1:])
-    pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
-    return ids, pos, offsets
+class Embedding(kinds.Kind):
+    name = "embedding"
+    endpoint = "/v1/embeddings"
+    routes = [("POST", "/v1/embeddings", create)]
+    inputs, outputs = ["text", "tokens"], ["embedding"]
+    probes = [("embed", {"T": 1, "S": 1})]
+
+    def capability(self, reg):
+        p = reg.prepared
+        if p is None:
+            return {}
+        return {"dimensions": p.spec("DIM"), "supported_dimensions": supported_widths(p),
+                "max_input_tokens": p.spec("MAX_TOKENS")}
+
+    def start(self, reg, loop):
+        return BatchEngine(reg.prepared, loop, Batch(reg.prepared), COHORT_TOKENS, COHORT_INPUTS)
+
+
+KIND = Embedding()

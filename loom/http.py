@@ -15,6 +15,7 @@ import time
 from urllib.parse import parse_qs
 
 from . import jsonin
+from .errors import Error
 from ._native import multipart
 
 
@@ -27,36 +28,9 @@ REASONS = {
     501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
 }
 
-# The error envelope's `type` follows the status family, as OpenAI clients expect.
-ERROR_TYPES = {
-    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-    408: "timeout_error", 409: "conflict_error", 410: "gone_error", 411: "invalid_request_error",
-    413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
-    422: "unprocessable_entity_error", 429: "rate_limit_error", 431: "invalid_request_error",
-    500: "server_error", 501: "not_implemented_error", 503: "overloaded_error",
-    505: "invalid_request_error",
-}
-
 JSON_TYPE = "application/json"
 SSE_TYPE = "text/event-stream"
 TEXT_TYPE = "text/plain; charset=utf-8"
-
-
-class HTTPError(Exception):
-    """A rejection: becomes {"error": {"message", "type", "param", "code"}} with `status`."""
-
-    def __init__(self, status, message, code=None, param=None, headers=()):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = list(headers)
-
-    def response(self):
-        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
-        return Response.json(body, self.status, self.headers)
 
 
 class Request:
@@ -84,7 +58,7 @@ class Request:
         """The single value of a header, None when absent; a repeated header rejects."""
         values = [v for n, v in self.headers if n == name]
         if len(values) > 1:
-            raise HTTPError(400, f"header {name!r} must appear at most once", "duplicate_header", name)
+            raise Error(400, f"header {name!r} must appear at most once", "duplicate_header", name)
         return values[0] if values else None
 
     def params(self, allowed):
@@ -93,12 +67,12 @@ class Request:
             parsed = parse_qs(self.query, keep_blank_values=True, strict_parsing=bool(self.query),
                               errors="strict", max_num_fields=32)
         except (ValueError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"malformed query string: {e}", "invalid_query") from None
+            raise Error(400, f"malformed query string: {e}", "invalid_query") from None
         for name, values in parsed.items():
             if name not in allowed:
-                raise HTTPError(400, f"unknown query parameter {name!r}", "unknown_parameter", name)
+                raise Error(400, f"unknown query parameter {name!r}", "unknown_parameter", name)
             if len(values) > 1:
-                raise HTTPError(400, f"query parameter {name!r} repeated", "duplicate_parameter", name)
+                raise Error(400, f"query parameter {name!r} repeated", "duplicate_parameter", name)
         return {name: values[0] for name, values in parsed.items()}
 
     def int_param(self, params, name, default, lo, hi):
@@ -106,20 +80,20 @@ class Request:
         if raw is None:
             return default
         if not raw.isdigit() or len(raw) > 18 or not lo <= int(raw) <= hi:
-            raise HTTPError(400, f"{name} must be an integer from {lo} to {hi}", "invalid_parameter", name)
+            raise Error(400, f"{name} must be an integer from {lo} to {hi}", "invalid_parameter", name)
         return int(raw)
 
     def json(self, spec=None):
         """The body as strict JSON (see jsonin), validated against `spec` when given."""
         ctype = (self.header("content-type") or "").split(";")[0].strip().lower()
         if ctype and ctype != JSON_TYPE:
-            raise HTTPError(415, f"expected Content-Type application/json, got {ctype!r} "
+            raise Error(415, f"expected Content-Type application/json, got {ctype!r} "
                                  "(curl: -H 'Content-Type: application/json')", "unsupported_media_type")
         try:
             value = jsonin.loads(self.body)
             return spec.validate(value) if spec is not None else value
         except jsonin.JSONInputError as e:
-            raise HTTPError(400, e.message, e.code, e.param) from None
+            raise Error(400, e.message, e.code, e.param) from None
 
     def form(self, max_parts=1024):
         """The body as multipart/form-data parts, in order (see _native.multipart)."""
@@ -128,11 +102,11 @@ class Request:
             return multipart.parse(self.body, ctype, max_parts=max_parts)
         except multipart.MultipartError as e:
             status = 415 if not ctype.lower().startswith("multipart/form-data") else 400
-            raise HTTPError(status, e.message, "invalid_multipart") from None
+            raise Error(status, e.message, "invalid_multipart") from None
 
     def require_empty_body(self):
         if self.body:
-            raise HTTPError(400, f"{self.method} {self.route or self.path} takes no request body", "unexpected_body")
+            raise Error(400, f"{self.method} {self.route or self.path} takes no request body", "unexpected_body")
 
 
 class Response:
@@ -149,6 +123,11 @@ class Response:
     def json(cls, value, status=200, headers=()):
         body = json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
         return cls(status, body, JSON_TYPE, headers)
+
+    @classmethod
+    def error(cls, error):
+        """The error envelope of an Error (errors.py), with its status and headers."""
+        return cls.json(error.envelope(), error.status, error.headers)
 
     @classmethod
     def text(cls, text, status=200, content_type=TEXT_TYPE, headers=()):
@@ -266,3 +245,9 @@ def sse_event(data, event=None, id=None):
         out.append(f"event: {event}")
     out.extend(f"data: {line}" for line in data.split("\n"))
     return ("\n".join(out) + "\n\n").encode()
+
+
+def page(items, offset, limit):
+    """One bounded page of a listing: (items[offset:offset + limit], the next offset or None)."""
+    data = items[offset:offset + limit]
+    return data, offset + len(data) if offset + len(data) < len(items) else None

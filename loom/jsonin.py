@@ -38,6 +38,8 @@ import sys
 from itertools import chain, compress, repeat
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from .errors import Problem
+
 __all__ = [
     "JSONInputError", "loads", "parse", "MAX_DEPTH", "MAX_INT_DIGITS",
     "Spec", "Obj", "Map", "Tagged", "Arr", "Str", "Int", "Num", "Bool",
@@ -59,14 +61,10 @@ MAX_DEPTH = 64        # default nesting limit: no request needs more
 MAX_INT_DIGITS = 4300  # Python's default int-parsing guard (its cost is quadratic in digits)
 
 
-class JSONInputError(ValueError):
+class JSONInputError(Problem, ValueError):
     """A client input error; ``param`` is the JSON path of the culprit, if known."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = INVALID_JSON):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+    code = INVALID_JSON
 
     def __repr__(self) -> str:
         return f"JSONInputError({self.message!r}, param={self.param!r}, code={self.code!r})"
@@ -304,7 +302,7 @@ def _duplicate_error(tree: object) -> JSONInputError:
     for path, _ in _walk(tree):
         if path in seen:
             param = _format_path(path)
-            return JSONInputError(f"invalid JSON: duplicate key at {param}", param, DUPLICATE_KEY)
+            return JSONInputError(f"invalid JSON: duplicate key at {param}", DUPLICATE_KEY, param)
         seen.add(path)
     raise AssertionError("duplicate key vanished on the second parse")
 
@@ -319,7 +317,7 @@ def _check_surrogates(value: object) -> None:
             continue
         param = _format_path(path)
         where = f" at {param}" if param else ""
-        raise JSONInputError(f"invalid JSON: lone UTF-16 surrogate escape in {what}{where}", param)
+        raise JSONInputError(f"invalid JSON: lone UTF-16 surrogate escape in {what}{where}", param=param)
 
 
 # --------------------------------------------------------------------------
@@ -341,7 +339,7 @@ class _Fail(Exception):
         parts = ([_Raw(at)] if at else []) + self.where[::-1]
         param = _format_path(parts)
         message = f"{param}: {self.detail}" if param else self.detail
-        return JSONInputError(message, param, self.code)
+        return JSONInputError(message, self.code, param)
 
 
 def _kind(value: object) -> str:

@@ -20,7 +20,12 @@ the request JSON are resolved against it lexically.
 
 from types import MappingProxyType
 
-from .http import HTTPError
+from .errors import Problem
+
+
+class PackageError(Problem):
+    """A package, filename, reference or form that cannot be taken (errors.STATUS gives its status)."""
+
 
 # Bounds (DESIGN: everything is bounded). The whole body is already bounded by
 # --request_body_bytes; these bound the namespace itself.
@@ -88,14 +93,14 @@ def _name_problem(name):
 
 
 def check_filename(name):
-    """`name` if it is a valid package filename, else HTTPError 400 "invalid_filename".
+    """`name` if it is a valid package filename, else Error 400 "invalid_filename".
 
     Literal: no URL-decoding, no Unicode normalization, no case folding, so the
     name a client sends is the name a reference must use."""
     problem = _name_problem(name)
     if problem:
         shown = _shown(name) if isinstance(name, str) else repr(type(name).__name__)
-        raise HTTPError(400, f"package filename {shown} {problem}", "invalid_filename")
+        raise PackageError(f"package filename {shown} {problem}", "invalid_filename")
     return name
 
 
@@ -113,7 +118,7 @@ class Package:
         # Validated here as well as in from_form so that every Package, however built,
         # satisfies the safety property: no member names anything outside the root.
         if len(files) > MAX_FILES:
-            raise HTTPError(400, f"package has {len(files)} files; at most {MAX_FILES} are allowed",
+            raise PackageError(f"package has {len(files)} files; at most {MAX_FILES} are allowed",
                             "too_many_files")
         owned = {}
         for name, data in files.items():
@@ -134,7 +139,7 @@ class Package:
         for name in owned:
             if name in dirs:
                 inner = next(n for n in owned if n.startswith(name + "/"))
-                raise HTTPError(400, f"package filename {_shown(name)} is a file but {_shown(inner)} "
+                raise PackageError(f"package filename {_shown(name)} is a file but {_shown(inner)} "
                                      "uses it as a directory", "conflicting_file")
         setattr_ = object.__setattr__
         setattr_(self, "files", MappingProxyType(owned))
@@ -158,7 +163,7 @@ class Package:
         """("server", path) or ("package", path) for `ref`, with every check except membership."""
         def reject(problem):
             shown = _shown(ref) if isinstance(ref, str) else repr(type(ref).__name__)
-            raise HTTPError(400, f"reference {shown} {problem}", "invalid_path", param)
+            raise PackageError(f"reference {shown} {problem}", "invalid_path", param)
 
         if not isinstance(ref, str):
             reject(f"must be a string, not {type(ref).__name__}")
@@ -211,7 +216,7 @@ class Package:
         kind, path = self._locate(ref, self._base(base), param, directory=False)
         if kind == "package" and path not in self.files:
             what = "a directory" if path in self._dirs else "not in the uploaded package"
-            raise HTTPError(422, f"reference {_shown(ref)} resolves to package path {_shown(path)}, which is "
+            raise PackageError(f"reference {_shown(ref)} resolves to package path {_shown(path)}, which is "
                                  f"{what}; relative references never fall back to server files "
                                  "(use an absolute path for a server-local file)", "missing_member", param)
         return kind, path
@@ -222,7 +227,7 @@ class Package:
         kind, path = self._locate(ref, self._base(base), param, directory=True)
         if kind == "package" and path not in self._dirs:
             what = "a file" if path in self.files else "not a directory of the uploaded package"
-            raise HTTPError(422, f"directory reference {_shown(ref)} resolves to package path {_shown(path)}, "
+            raise PackageError(f"directory reference {_shown(ref)} resolves to package path {_shown(path)}, "
                                  f"which is {what}", "missing_member", param)
         return kind, path
 
@@ -242,18 +247,18 @@ def from_form(parts, request_field="request", file_field="file"):
     parts = list(parts)     # walked more than once
     for part in parts:
         if part.name not in (request_field, file_field):
-            raise HTTPError(400, f"unknown form field {part.name!r}; expected {request_field!r} and "
+            raise PackageError(f"unknown form field {part.name!r}; expected {request_field!r} and "
                                  f"{file_field!r} parts", "unknown_field", part.name)
     requests = [p for p in parts if p.name == request_field]
     if not requests:
-        raise HTTPError(400, f"missing form field {request_field!r} (the request JSON)", "missing_field",
+        raise PackageError(f"missing form field {request_field!r} (the request JSON)", "missing_field",
                         request_field)
     if len(requests) > 1:
-        raise HTTPError(400, f"form field {request_field!r} appears {len(requests)} times; exactly one "
+        raise PackageError(f"form field {request_field!r} appears {len(requests)} times; exactly one "
                              "request part is allowed", "duplicate_field", request_field)
     files = [p for p in parts if p.name == file_field]
     if len(files) + 1 > MAX_FILES:
-        raise HTTPError(400, f"package has {len(files) + 1} files; at most {MAX_FILES} are allowed",
+        raise PackageError(f"package has {len(files) + 1} files; at most {MAX_FILES} are allowed",
                         "too_many_files", file_field)
 
     request = requests[0]
@@ -262,13 +267,13 @@ def from_form(parts, request_field="request", file_field="file"):
     members = {request_path: request.data}
     for part in files:
         if part.filename is None:
-            raise HTTPError(400, f"a {file_field!r} part has no filename; every file part names its "
+            raise PackageError(f"a {file_field!r} part has no filename; every file part names its "
                                  "package path (curl: -F 'file=@path;filename=dir/name')",
                             "missing_filename", file_field)
         _check_part_filename(part.filename, file_field)
         if part.filename in members:
             other = "the request part" if part.filename == request_path else "another file part"
-            raise HTTPError(400, f"package filename {_shown(part.filename)} is also used by {other}",
+            raise PackageError(f"package filename {_shown(part.filename)} is also used by {other}",
                             "duplicate_file", file_field)
         members[part.filename] = part.data
     package = Package(members, request_path)
@@ -278,6 +283,6 @@ def from_form(parts, request_field="request", file_field="file"):
 def _check_part_filename(name, field):
     try:
         check_filename(name)
-    except HTTPError as e:
+    except PackageError as e:
         e.param = field
         raise

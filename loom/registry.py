@@ -1,10 +1,12 @@
-"""Registrations: model documents, background preparation, admission, and the status view.
+"""Registrations: model documents, background preparation, admission, residency.
 
 A registration starts from a model document (DESIGN.md "Model documents and
 packages"), validated strictly. Preparation (reading sources, binding the
 checkpoint, uploading weights) runs on the CPU executor and reports progress;
-the loop never blocks on it. Phases: preparing -> ready | failed. Prepared
-deployments are what /v1/models lists and what inference endpoints admit to.
+the loop never blocks on it. Its phases and their transitions are one table
+(PHASES), applied by Registration.transition. Everything a kind knows about
+itself comes from its Kind object (kinds.py); this file never asks which kind
+a registration is. The HTTP handlers over it are in admin.py.
 """
 
 import logging
@@ -13,74 +15,79 @@ import re
 import threading
 import time
 
-from . import jsonin, packages, runtime
-from .device import OutOfDeviceMemory
-from .http import Deferred, HTTPError, Response
-from .jsonin import Arr, Bool, Enum, Int, Obj, Str
+from . import jsonin, language, runtime
+from .errors import Error, Problem
+from .jsonin import Arr, Enum, Int, Obj, Str
 
 log = logging.getLogger("loom.registry")
 
-KINDS = ("text", "sequence", "embedding", "decision", "image", "speech", "recognition")
-ENDPOINTS = {"text": "/v1/chat/completions", "sequence": "/v1/sequences", "embedding": "/v1/embeddings",
-             "decision": "/v1/systemone", "image": "/v1/images/generations", "speech": "/v1/audio/speech",
-             "recognition": "/v1/audio/transcriptions"}
-MODALITIES = {"text": (["text"], ["text"]), "sequence": (["tokens"], ["tensor"]),
-              "embedding": (["text", "tokens"], ["embedding"]), "decision": (["text"], ["probabilities"]),
-              "image": (["text"], ["image"]), "speech": (["text"], ["audio"]), "recognition": (["audio"], ["text"])}
-# The kinds this build serves; the others are known names whose services are not built yet,
-# and a document naming one rejects rather than becoming "ready" behind routes that 404.
-SERVED_KINDS = ("text", "sequence", "embedding", "decision")
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+NAME_RULE = "1-64 ASCII letters, digits, '_', '.' or '-'"   # deployments, sessions, checkpoints
 
 
 def _name_rule(value):
-    if not NAME.fullmatch(value):
-        return "must be 1-64 ASCII letters, digits, '_', '.' or '-'"
-    return None
+    return None if NAME.fullmatch(value) else f"must be {NAME_RULE}"
 
 
 def _capacity(hi):
     return Int(lo=0, hi=hi, optional=True)
 
 
-DOCUMENT = Obj({
-    "model": Str(check=_name_rule),
-    "kind": Enum(KINDS),
-    "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64),
-    "checkpoint": Str(min_len=1, max_len=4096),
-    "base_directory": Str(min_len=1, max_len=4096, optional=True),
-    "prepare": Str(min_len=1, max_len=4096, optional=True),
-    "control": Str(min_len=1, max_len=4096, optional=True),
-    "admission": Enum(["open", "drained"], optional=True),
-    "rows": Int(lo=1, hi=1024, optional=True),
-    "context_length": Int(lo=1, hi=1 << 20, optional=True),
-    "max_output_tokens": Int(lo=1, hi=16384, optional=True),
-    "pending_capacity": _capacity(1 << 16),
-    "session_cache_capacity": _capacity(1 << 16),
-    "prefix_cache_capacity": _capacity(1 << 16),
-    "checkpoint_capacity": _capacity(1 << 16),
-    "checkpoint_backing": Enum(["fixed", "elastic"], optional=True),
-    "variant_capacity": _capacity(1 << 10),
-    "options": Obj(None, optional=True),
-})
+def document_schema(kind_names):
+    return Obj({
+        "model": Str(check=_name_rule),
+        "kind": Enum(kind_names),
+        "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64),
+        "checkpoint": Str(min_len=1, max_len=4096),
+        "base_directory": Str(min_len=1, max_len=4096, optional=True),
+        "prepare": Str(min_len=1, max_len=4096, optional=True),
+        "control": Str(min_len=1, max_len=4096, optional=True),
+        "admission": Enum(["open", "drained"], optional=True),
+        "rows": Int(lo=1, hi=1024, optional=True),
+        "context_length": Int(lo=1, hi=1 << 20, optional=True),
+        "max_output_tokens": Int(lo=1, hi=16384, optional=True),
+        "pending_capacity": _capacity(1 << 16),
+        "session_cache_capacity": _capacity(1 << 16),
+        "prefix_cache_capacity": _capacity(1 << 16),
+        "checkpoint_capacity": _capacity(1 << 16),
+        "checkpoint_backing": Enum(["fixed", "elastic"], optional=True),
+        "variant_capacity": _capacity(1 << 10),
+        "options": Obj(None, optional=True),
+    })
+
 
 DEFAULTS = {"admission": "open", "rows": 4, "context_length": 4096, "max_output_tokens": 512,
             "pending_capacity": 32, "session_cache_capacity": 0, "prefix_cache_capacity": 0,
             "checkpoint_capacity": 0, "checkpoint_backing": "fixed", "variant_capacity": 0}
 
+# (phase, event) -> the next phase. Any other pair is a bug, and raises.
+PHASES = {
+    ("new", "open"): "preparing",            # registered with admission open
+    ("new", "drained"): "registered",        # registered drained: preparation waits for undrain
+    ("registered", "undrain"): "preparing",
+    ("preparing", "prepared"): "ready",      # weights resident, probe kernels built
+    ("preparing", "failed"): "failed",
+    ("registered", "unregister"): "removing",
+    ("preparing", "unregister"): "removing",
+    ("ready", "unregister"): "removing",
+    ("failed", "unregister"): "failed",      # a failed registration keeps saying why until it goes
+    ("removing", "failed"): "failed",        # preparation failed after unregister: removed next
+}
+
 
 class Registration:
-    def __init__(self, doc, base_directory):
+    def __init__(self, doc, kind, base_directory):
         self.doc = dict(DEFAULTS, **doc)
         self.name = doc["model"]
-        self.kind = doc["kind"]
+        self.kind = kind            # its Kind object (kinds.py)
         self.base_directory = base_directory
         self.created = int(time.time())
-        self.phase = "preparing"
+        self.phase = "new"
         self.progress = {"bytes_done": 0, "bytes_total": 0}
         self.error = None
         self.admission = self.doc["admission"]
         self.prepared = None
+        self.engine = None          # the kind's cohort engine, started when the model is ready
         self.in_flight = 0          # jobs holding resident parameters (see acquire)
         self.from_catalog = False
         # Residency: parameters can leave the device (deactivate, memory pressure)
@@ -95,11 +102,15 @@ class Registration:
         self.jobs = set()
         self.removing = None        # "drain" | "abort" once unregistered
         self.deactivate_when_idle = False
-        self.readers = set()        # Deferreds waiting for a staged variant's compilation
-        self.batcher = None         # the kind's cohort former, created on first use
-        self.engine = None          # text: the continuous-batching engine, created on first use
+        self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
         self.package = None         # an uploaded source package, retained until the model retires
         self.loaded = []            # its members this registration's sources name: (path, bytes)
+
+    def transition(self, event):
+        try:
+            self.phase = PHASES[self.phase, event]
+        except KeyError:
+            raise RuntimeError(f"registration {self.name}: no transition from {self.phase} on {event}") from None
 
     def paths(self):
         """(server source paths, checkpoint path); uploaded members are in self.loaded."""
@@ -111,56 +122,80 @@ class Registration:
         return sources, runtime.resolve(base, self.doc["checkpoint"])
 
     def components(self):
-        """Residency components: the primary computation, plus an image-input
-        component for text deployments whose package declares one."""
-        policy = self.prepared.policy if self.prepared else {}
-        return ("primary", "image") if self.kind == "text" and policy.get("image_input") else ("primary",)
+        return self.kind.components(self.prepared)
 
     def capability(self):
         p = self.prepared
-        loom = {"kind": self.kind, "endpoint": ENDPOINTS[self.kind],
+        loom = {"kind": self.kind.name, "endpoint": self.kind.endpoint,
                 "tokenize": bool(p is not None and p.tokenizer is not None), "admission": self.admission}
-        if self.kind in ("text", "sequence"):
-            loom["context_length"] = self.doc["context_length"]
-            loom["limits"] = {"max_output_tokens": self.doc["max_output_tokens"]}
-            loom["retained"] = {k: self.doc[k] for k in ("session_cache_capacity", "prefix_cache_capacity",
-                                                         "checkpoint_capacity", "checkpoint_backing")}
-        if self.kind == "sequence" and p is not None:
-            loom["sequence_bytes_per_token"] = p.spec("SEQUENCE_BYTES")
-        if self.kind == "text":
-            loom["input_tokens"] = bool(p is not None and p.tokenizer is not None and p.policy.get("chats"))
+        loom.update(self.kind.capability(self))
         if p is not None and p.variants:
             loom["variants"] = {"selected": p.selected, "count": len(p.variants)}
-        if self.kind == "embedding" and p is not None:
-            from .embeddings import supported_widths
-            loom["dimensions"] = p.spec("DIM")
-            loom["supported_dimensions"] = supported_widths(p)
-            loom["max_input_tokens"] = p.spec("MAX_TOKENS")
-        inputs, outputs = MODALITIES[self.kind]
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "local",
-                "input_modalities": inputs, "output_modalities": outputs, "loom": loom}
+                "input_modalities": list(self.kind.inputs), "output_modalities": list(self.kind.outputs),
+                "loom": loom}
 
     def status(self):
         p = self.prepared
+        engine = self.engine.stats() if self.engine is not None else None
         return {
-            "model": self.name, "kind": self.kind, "phase": self.phase, "created": self.created,
+            "model": self.name, "kind": self.kind.name, "phase": self.phase, "created": self.created,
             "progress": dict(self.progress), "error": self.error, "admission": self.admission,
             "requests": {"in_flight": len(self.jobs), "waiting": len(self.waiting),
                          "pending_capacity": self.doc["pending_capacity"]},
             "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0,
                           "resident": bool(p and p.resident), "pinned": self.pinned},
             "variants": {"selected": p.selected, "count": len(p.variants)} if p is not None and p.variants else None,
-            "batching": ({"cohorts": self.batcher.cohorts, "requests": self.batcher.requests}
-                         if getattr(self, "batcher", None) is not None else None),
-            "scheduler": self.engine.stats() if getattr(self, "engine", None) is not None else None,
+            "batching": {k: engine[k] for k in ("cohorts", "requests")} if engine else None,
+            "scheduler": engine,
         }
+
+
+class ProbeFailed(Problem):
+    """A kind's probe geometry did not plan (code plan) or build (code compile)."""
+
+    def __init__(self, code, message, result=None):
+        super().__init__(message, code)
+        self.result = result     # the failed BuildResult, for compile
+
+
+def compile_probes(reg, prepared, binding, sources, done):
+    """Plan and build the kind's probe geometries for `binding`: done(failure, results)
+    once, with failure None or a ProbeFailed, results every BuildResult seen."""
+    try:
+        layouts = [binding.plan(command, **geometry) for command, geometry in reg.kind.probes]
+    except runtime.LoomError as e:
+        done(ProbeFailed("plan", str(e)), [])
+        return
+    remaining, results = [len(layouts)], []
+    if not layouts:
+        done(None, results)
+        return
+
+    def compiled(built):
+        if remaining[0] <= 0:
+            return      # an earlier layout already failed: that answer stands
+        results.extend(built.values())
+        failed = next((b for b in built.values() if not b.ok), None)
+        remaining[0] = 0 if failed is not None else remaining[0] - 1
+        if failed is not None:
+            done(ProbeFailed("compile", failed.message, failed), results)
+        elif remaining[0] == 0:
+            done(None, results)
+
+    for layout in layouts:
+        prepared.compile_layout(layout, binding, sources, compiled)
 
 
 class Registry:
     """All registrations of one server, and the device they share."""
 
-    def __init__(self, server):
+    def __init__(self, server, kinds):
         self.server = server
+        self.kinds = {kind.name: kind for kind in kinds}
+        # The contract's kind names, plus any this build adds; a known name without a
+        # Kind here rejects with unsupported_kind rather than as an unknown value.
+        self.document = document_schema(list(language.KINDS) + [k for k in self.kinds if k not in language.KINDS])
         self.registrations = {}
         self.device = None      # opened by open_device() at start
         self.compiler = None
@@ -193,8 +228,8 @@ class Registry:
         """KV pages and retained state of each text or sequence deployment, read from its
         engine at scrape time."""
         def engines():
-            return [(reg.name, reg.engine.stats()) for reg in list(self.registrations.values())
-                    if getattr(reg, "engine", None) is not None]
+            return [(reg.name, stats) for reg in list(self.registrations.values())
+                    if reg.engine is not None and (stats := reg.engine.retained()) is not None]
 
         metrics.gauge_fn("loom_kv_pages", "KV cache pages of a deployment's pool, free or used.",
                          lambda: [((name, state), s["pages"]["free"] if state == "free"
@@ -224,22 +259,23 @@ class Registry:
     # -- lifecycle -----------------------------------------------------------
     def register(self, doc, base_directory=None, package=None):
         """Validate and start preparing. `doc` is parsed JSON; `package` an uploaded
-        source package whose members relative sources name. Raises HTTPError."""
+        source package whose members relative sources name. Raises Error."""
         try:
-            doc = DOCUMENT.validate(doc)
+            doc = self.document.validate(doc)
         except jsonin.JSONInputError as e:
-            raise HTTPError(400, e.message, e.code, e.param) from None
-        if doc["kind"] not in SERVED_KINDS:
-            raise HTTPError(400, f"kind {doc['kind']!r} has no implementation in this build "
-                                 f"(served kinds: {', '.join(SERVED_KINDS)})", "unsupported_kind", "kind")
+            raise Error(400, e.message, e.code, e.param) from None
+        kind = self.kinds.get(doc["kind"])
+        if kind is None:
+            raise Error(400, f"kind {doc['kind']!r} has no implementation in this build "
+                             f"(served kinds: {', '.join(self.kinds)})", "unsupported_kind", "kind")
         if doc["model"] in self.registrations:
-            raise HTTPError(409, f"model {doc['model']!r} is already registered", "duplicate_model", "model")
+            raise Error(409, f"model {doc['model']!r} is already registered", "duplicate_model", "model")
         base = doc.get("base_directory") or base_directory
         if base is not None and not os.path.isabs(base):
-            raise HTTPError(400, "base_directory must be an absolute path", "invalid_value", "base_directory")
+            raise Error(400, "base_directory must be an absolute path", "invalid_value", "base_directory")
         relative = [doc["checkpoint"]] + ([] if package else doc["sources"])
         if base is None and any(not os.path.isabs(p) for p in relative):
-            raise HTTPError(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
+            raise Error(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
         loaded = []
         if package is not None:
             # Members are looked up now, so a missing one fails the request (422)
@@ -248,13 +284,12 @@ class Registry:
                 where, data = package.read(ref, param=f"sources[{i}]")
                 if where == "package":
                     loaded.append((package.resolve(ref)[1], data))
-        reg = Registration(doc, base)
+        reg = Registration(doc, kind, base)
         reg.package, reg.loaded = package, loaded
         self.registrations[reg.name] = reg
-        log.info("registered %s (%s)", reg.name, reg.kind, extra={"event": "registered", "model": reg.name})
-        if reg.admission == "drained":
-            reg.phase = "registered"   # preparation waits for admission to open
-        else:
+        log.info("registered %s (%s)", reg.name, kind.name, extra={"event": "registered", "model": reg.name})
+        reg.transition(reg.admission)
+        if reg.phase == "preparing":
             self.to_prepare.append(reg)
             self._next_preparation()
         return reg
@@ -274,12 +309,7 @@ class Registry:
     def _prepare(self, reg):
         device = self.device
         sources, checkpoint = reg.paths()
-        options = dict(reg.doc.get("options") or {})
-        if reg.kind in ("text", "sequence"):
-            # The KV pool: every row can hold a full context.
-            options.setdefault("context_length", reg.doc["context_length"])
-            page = options.setdefault("page_size", 16)
-            options.setdefault("pages", reg.doc["rows"] * -(-options["context_length"] // page))
+        options = reg.kind.options(reg.doc, dict(reg.doc.get("options") or {}))
         loop = self.server.loop
 
         def progress(done, total):
@@ -292,7 +322,7 @@ class Registry:
         def finished(prepared, error):
             if error is not None:
                 self.server.loop.call_soon(self._prepared, reg)
-                code = getattr(error, "code", "internal")
+                code = error.code if isinstance(error, Problem) else "internal"
                 self._failed(reg, code, getattr(error, "message", None) or f"{type(error).__name__}: {error}")
                 if reg.removing:
                     self._remove(reg)
@@ -310,37 +340,19 @@ class Registry:
         """Compile the kind's stage commands at a small geometry before declaring the
         model ready: a package whose kernels do not build fails its registration
         (phase failed, code compile) instead of failing its first requests."""
-        layouts = []
-        try:
-            for command, geometry in PROBES.get(reg.kind, []):
-                layouts.append(prepared.binding.plan(command, **geometry))
-        except runtime.LoomError as e:
-            prepared.release()
-            self._failed(reg, "plan", str(e))
-            self.server.loop.call_soon(self._prepared, reg)
-            return
-        remaining = [len(layouts)]
-
-        def compiled(built):
-            failed = next((b for b in built.values() if not b.ok), None)
-            if remaining[0] <= 0:
-                return
-            if failed is not None:
-                remaining[0] = 0
-                prepared.release()
-                self._failed(reg, "compile", f"{failed.name}: {failed.message}\n{failed.log}")
-                self.server.loop.call_soon(self._prepared, reg)
-                if reg.removing:
-                    self._remove(reg)
-                return
-            remaining[0] -= 1
-            if remaining[0] == 0:
+        def probed(failure, _results):
+            if failure is None:
                 self._ready(reg, prepared)
+                return
+            prepared.release()
+            failed = failure.result
+            self._failed(reg, failure.code, failure.message if failed is None
+                         else f"{failed.name}: {failed.message}\n{failed.log}")
+            self.server.loop.call_soon(self._prepared, reg)
+            if reg.removing:
+                self._remove(reg)
 
-        if not layouts:
-            self._ready(reg, prepared)
-        for layout in layouts:
-            prepared.compile_layout(layout, prepared.binding, prepared.sources, compiled)
+        compile_probes(reg, prepared, prepared.binding, prepared.sources, probed)
 
     def _ready(self, reg, prepared):
         self.server.loop.call_soon(self._prepared, reg)   # the next preparation may start
@@ -349,19 +361,20 @@ class Registry:
             self._remove(reg)
             return
         reg.prepared = prepared
-        reg.phase = "ready"
+        reg.transition("prepared")
         if reg.doc["variant_capacity"] > 0:
             # The prepared execution is the first choice; staged variants are checked against it.
             first = runtime.Variant(runtime.next_variant_id(), None, prepared.binding, prepared.sources)
             first.phase, first.users = "ready", 1
             prepared.variants[first.id] = first
             prepared.selected = first.id
+        reg.engine = reg.kind.start(reg, self.server.loop)
         log.info("prepared %s: %d parameter bytes", reg.name, prepared.param_bytes(),
                  extra={"event": "prepared", "model": reg.name, "param_bytes": prepared.param_bytes()})
         self._settle(reg)
 
     def _failed(self, reg, code, message):
-        reg.phase = "failed"
+        reg.transition("failed")
         reg.error = {"code": code, "message": message}
         log.error("preparing %s failed (%s): %s", reg.name, code, message,
                   extra={"event": "prepare_failed", "model": reg.name, "code": code})
@@ -402,7 +415,7 @@ class Registry:
                 doc = dict(doc, base_directory=os.path.join(folder, doc["base_directory"]))
             try:
                 self.register(doc, folder).from_catalog = True
-            except HTTPError as e:
+            except Error as e:
                 raise ValueError(f"{path}: model document {i}: {e.message}") from None
 
     # -- residency -----------------------------------------------------------
@@ -478,21 +491,22 @@ class Registry:
 
     # -- admission -----------------------------------------------------------
     def admit(self, name, kind):
-        """The registration serving `name` for an endpoint of `kind`, or HTTPError."""
+        """The registration serving `name` for an endpoint of `kind` (a Kind), or Error."""
         if not isinstance(name, str):
-            raise HTTPError(400, "model must be a string", "invalid_type", "model")
+            raise Error(400, "model must be a string", "invalid_type", "model")
         reg = self.registrations.get(name)
         if reg is None or reg.removing:
-            raise HTTPError(404, f"model {name!r} does not exist", "model_not_found", "model")
-        if reg.kind != kind:
-            raise HTTPError(404, f"model {name!r} is a {reg.kind} deployment, not {kind}", "model_not_found", "model")
+            raise Error(404, f"model {name!r} does not exist", "model_not_found", "model")
+        if reg.kind is not kind:
+            raise Error(404, f"model {name!r} is a {reg.kind.name} deployment, not {kind.name}", "model_not_found",
+                        "model")
         if reg.phase == "failed":
             # Not retryable: the package, checkpoint or driver must change (422, as a failed variant).
-            raise HTTPError(422, f"model {name!r} failed to prepare ({reg.error['code']}): "
-                                 f"{_first_line(reg.error['message'])}; GET /v1/status has the whole reason",
+            raise Error(422, f"model {name!r} failed to prepare ({reg.error['code']}): "
+                                 f"{first_line(reg.error['message'])}; GET /v1/status has the whole reason",
                             "model_failed", "model")
         if reg.phase != "ready":
-            raise HTTPError(503, f"model {name!r} is {reg.phase}, not prepared yet", "model_not_ready", "model")
+            raise Error(503, f"model {name!r} is {reg.phase}, not prepared yet", "model_not_ready", "model")
         return reg
 
     def enter(self, reg, job):
@@ -500,7 +514,7 @@ class Registry:
         device. A drained gate queues (bounded by pending_capacity, then 503)."""
         if reg.admission != "open" or reg.waiting:
             if len(reg.waiting) >= reg.doc["pending_capacity"]:
-                raise HTTPError(503, f"model {reg.name!r} has a full queue", "queue_full", "model")
+                raise Error(503, f"model {reg.name!r} has a full queue", "queue_full", "model")
             reg.waiting.append(job)
             return
         self._start(reg, job)
@@ -536,7 +550,7 @@ class Registry:
     def undrain(self, reg):
         reg.admission = "open"
         if reg.phase == "registered":
-            reg.phase = "preparing"
+            reg.transition("undrain")
             self.to_prepare.append(reg)
             self._next_preparation()
         self._open_gate(reg)
@@ -547,14 +561,14 @@ class Registry:
         if reg.removing:
             return
         reg.removing = mode
-        reg.phase = "removing" if reg.phase != "failed" else reg.phase
-        gone = HTTPError(410, f"model {reg.name!r} was unregistered", "model_unregistered", "model")
+        reg.transition("unregister")
+        gone = Error(410, f"model {reg.name!r} was unregistered", "model_unregistered", "model")
         waiting, reg.waiting = reg.waiting, []
         for job in waiting:
             job.fail(gone)
         readers, reg.readers = reg.readers, set()
         for reader in readers:
-            reader.resolve(gone.response())  # the compilation itself still joins the compiler
+            reader(gone)  # the compilation itself still joins the compiler
         if mode == "abort":
             for job in list(reg.jobs):
                 job.fail(gone)
@@ -592,385 +606,7 @@ class Registry:
 
 
 
-def _first_line(text, chars=300):
+def first_line(text, chars=300):
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "")[:chars]
 
 
-class Job:
-    """One inference request's life at a registration: the admission gate
-    (start), the client leaving (cancelled), unregister (fail), and the end of
-    its device work (finish). Endpoints subclass it with their own work."""
-
-    what = "request"
-    resident = True     # start() needs the parameters on the device
-
-    def __init__(self, server, reg, request):
-        self.server, self.reg, self.request = server, reg, request
-        self.deferred = Deferred()
-        self.deferred.on_cancel = self.cancelled
-        self.gone = False        # the client left, or the response was already settled
-        self.acquired = False
-        self.finished = False
-        request.state = "queued"
-
-    def start(self, error):
-        """The gate let the job through and the parameters are resident (or error)."""
-        self.acquired = error is None and self.resident
-        if error is not None or self.gone:
-            self.finish(error=error)
-            return
-        self.request.state = "running"
-        self.run()
-
-    def run(self):
-        raise NotImplementedError
-
-    def cancelled(self):
-        """The client disconnected: leave the queue; accepted device work retires for its peers."""
-        self.gone = True
-        self.server.registry.withdraw(self.reg, self)
-
-    def fail(self, error):
-        """Withdrawn (unregister): answer now; accepted device work still retires."""
-        if not self.gone:
-            self.gone = True
-            self.deferred.resolve(error.response())
-
-    def finish(self, response=None, error=None):
-        if self.finished:
-            return    # several endings can race (a failure, then the retiring step): one counts
-        self.finished = True
-        self.server.registry.leave(self.reg, self, self.acquired)
-        self.acquired = False
-        if isinstance(error, HTTPError):
-            response = error.response()
-        elif error is not None:
-            status = 503 if isinstance(error, OutOfDeviceMemory) else 500
-            response = HTTPError(status, f"{self.what} failed: {getattr(error, 'message', error)}",
-                                 "device_memory" if status == 503 else "execution_failed").response()
-        if not self.gone and response is not None:
-            self.deferred.resolve(response)
-
-
-# -- HTTP: discovery and administration (PROFILES.md) ------------------------------
-
-MODEL = Obj({"model": Str(min_len=1)})
-UNREGISTER = Obj({"model": Str(min_len=1), "mode": Enum(["drain", "abort"], optional=True)})
-COMPONENT = Obj({"model": Str(min_len=1), "component": Str(optional=True)})
-TRIM = Obj({"device": Int(lo=0, hi=2**31 - 1), "target_bytes": Int(lo=0, hi=2**62)})
-COMPONENT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
-
-
-def _registration(server, name):
-    reg = server.registry.registrations.get(name)
-    if reg is None or reg.removing:
-        raise HTTPError(404, f"model {name!r} does not exist", "model_not_found", "model")
-    return reg
-
-
-def _component(reg, body):
-    """The residency selector: "primary" by default; undeclared 404, malformed 400."""
-    component = body.get("component", "primary")
-    if not COMPONENT_NAME.fullmatch(component):
-        raise HTTPError(400, f"invalid component selector {component!r}", "invalid_value", "component")
-    if component not in reg.components():
-        raise HTTPError(404, f"model {reg.name!r} declares no {component!r} component", "component_not_found",
-                        "component")
-    return component
-
-
-def _document(request):
-    """The request JSON and, for multipart/form-data, the uploaded source package."""
-    ctype = (request.header("content-type") or "").split(";")[0].strip().lower()
-    if ctype != "multipart/form-data":
-        return request.json(), None
-    package, raw = packages.from_form(request.form())
-    try:
-        return jsonin.loads(raw), package
-    except jsonin.JSONInputError as e:
-        raise HTTPError(400, f"request part: {e.message}", e.code, e.param) from None
-
-
-def register_model(server, request):
-    doc, package = _document(request)
-    reg = server.registry.register(doc, None, package)
-    return Response.json(dict(reg.status(), object="registration"), 202)
-
-
-def drain_model(server, request):
-    reg = _registration(server, request.json(MODEL)["model"])
-    server.registry.drain(reg)
-    return Response.json({"model": reg.name, "admission": reg.admission})
-
-
-def undrain_model(server, request):
-    reg = _registration(server, request.json(MODEL)["model"])
-    server.registry.undrain(reg)
-    return Response.json({"model": reg.name, "admission": reg.admission})
-
-
-def unregister_model(server, request):
-    body = request.json(UNREGISTER)
-    reg = _registration(server, body["model"])
-    mode = body.get("mode", "drain")
-    server.registry.unregister(reg, mode)
-    return Response.json({"model": reg.name, "mode": mode, "phase": reg.phase,
-                          "in_flight": len(reg.jobs)}, 202)
-
-
-def _residency_target(server, request):
-    body = request.json(COMPONENT)
-    reg = _registration(server, body["model"])
-    component = _component(reg, body)
-    if reg.phase != "ready" or reg.prepared is None:
-        raise HTTPError(409, f"model {reg.name!r} is {reg.phase}, not a healthy prepared registration",
-                        "not_ready", "model")
-    if reg.admission != "drained":
-        raise HTTPError(409, f"model {reg.name!r} must be drained first (POST /v1/models/drain)",
-                        "not_drained", "model")
-    return reg, component
-
-
-def activate_model(server, request):
-    reg, component = _residency_target(server, request)
-    reg.deactivate_when_idle = False
-    server.registry.activate(reg)
-    return Response.json({"model": reg.name, "component": component, "operation": "activate"}, 202)
-
-
-def deactivate_model(server, request):
-    reg, component = _residency_target(server, request)
-    if reg.in_flight or reg.restoring is not None:
-        reg.deactivate_when_idle = True   # after the drained work finishes
-    else:
-        server.registry.deactivate(reg)
-    return Response.json({"model": reg.name, "component": component, "operation": "deactivate"}, 202)
-
-
-def _pinning(server, request, pinned):
-    body = request.json(COMPONENT)
-    reg = _registration(server, body["model"])
-    component = _component(reg, body)
-    reg.pinned = pinned
-    return Response.json({"model": reg.name, "component": component, "pinned": pinned})
-
-
-def pin_model(server, request):
-    return _pinning(server, request, True)
-
-
-def unpin_model(server, request):
-    return _pinning(server, request, False)
-
-
-def trim_device(server, request):
-    body = request.json(TRIM)
-    registry = server.registry
-    if registry.device is None or body["device"] != 0:
-        raise HTTPError(404, f"no device {body['device']}", "device_not_found", "device")
-    for reg in registry.registrations.values():
-        if getattr(reg, "engine", None) is not None:
-            reg.engine.release_idle()   # retained idle conversations are reclaimable caches too
-    freed = registry.device.pool.trim(body["target_bytes"])
-    return Response.json(dict(registry.resources(), device_index=0, freed_bytes=freed))
-
-
-# -- native executable variants ------------------------------------------------------
-
-PAGE = 64
-PROBES = {"embedding": [("embed", {"T": 1, "S": 1})], "text": [("advance", {"T": 1, "R": 1})],
-          "sequence": [("encode", {"T": 1})], "decision": [("decide", {"T": 2, "S": 2, "G": 1})]}   # geometries compiled when a variant is staged
-STAGE = Obj({"model": Str(min_len=1), "base": Int(lo=0, hi=2**62),
-             "base_directory": Str(min_len=1, max_len=4096, optional=True),
-             "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64), "wait": Bool(optional=True)})
-SELECT = Obj({"model": Str(min_len=1), "variant": Int(lo=0, hi=2**62), "expected": Int(lo=0, hi=2**62)})
-REMOVE = Obj({"model": Str(min_len=1), "variant": Int(lo=0, hi=2**62)})
-
-
-def _variant_service(server, name):
-    """A healthy prepared registration with native variants enabled."""
-    reg = _registration(server, name)
-    if reg.phase != "ready" or reg.prepared is None:
-        raise HTTPError(409, f"model {reg.name!r} is {reg.phase}, not a healthy prepared service", "not_ready", "model")
-    if not reg.prepared.variants:
-        raise HTTPError(501, f"model {reg.name!r} does not support native variants (variant_capacity is 0)",
-                        "variants_disabled", "model")
-    return reg
-
-
-def _variant(server, reg, vid, param="variant"):
-    variant = reg.prepared.variants.get(vid)
-    if variant is not None:
-        return variant
-    if any(r.prepared is not None and vid in r.prepared.variants for r in server.registry.registrations.values()):
-        raise HTTPError(409, f"variant {vid} belongs to another registration", "variant_conflict", param)
-    raise HTTPError(404, f"model {reg.name!r} has no variant {vid}", "variant_not_found", param)
-
-
-def list_variants(server, request):
-    request.require_empty_body()
-    name = request.header("x-loom-model")
-    if name is None:
-        raise HTTPError(400, "X-Loom-Model names the deployment whose variants to list", "missing_header",
-                        "X-Loom-Model")
-    reg = _variant_service(server, name)
-    offset_text, variant_text = request.header("x-loom-offset"), request.header("x-loom-variant")
-    if offset_text is not None and variant_text is not None:
-        raise HTTPError(400, "X-Loom-Offset and X-Loom-Variant are mutually exclusive", "conflicting_headers")
-    prepared = reg.prepared
-    if variant_text is not None:
-        vid = _header_int(variant_text, "X-Loom-Variant")
-        return Response.json(_variant(server, reg, vid).record(detail=True))
-    offset = _header_int(offset_text, "X-Loom-Offset") if offset_text is not None else 0
-    variants = list(prepared.variants.values())
-    page = variants[offset:offset + PAGE]
-    return Response.json({"object": "list", "model": reg.name, "selected": prepared.selected,
-                          "count": len(variants), "offset": offset, "data": [v.record() for v in page],
-                          "next_offset": offset + len(page) if offset + len(page) < len(variants) else None})
-
-
-def _header_int(text, header):
-    if not text.isdigit() or not text.isascii() or len(text) > 18:
-        raise HTTPError(400, f"{header} must be a nonnegative integer", "invalid_header", header)
-    return int(text)
-
-
-def stage_variant(server, request):
-    doc, package = _document(request)
-    try:
-        body = STAGE.validate(doc)
-    except jsonin.JSONInputError as e:
-        raise HTTPError(400, e.message, e.code, e.param) from None
-    reg = _variant_service(server, body["model"])
-    base = _variant(server, reg, body["base"], "base")
-    if base.phase != "ready":
-        raise HTTPError(409, f"base variant {base.id} is {base.phase}, not ready", "variant_not_ready", "base")
-    directory = body.get("base_directory")
-    if directory is not None and not os.path.isabs(directory):
-        raise HTTPError(400, "base_directory must be absolute", "invalid_value", "base_directory")
-    paths, loaded = [], []
-    for i, source in enumerate(body["sources"]):
-        if package is not None and not os.path.isabs(source):
-            where, data = package.read(source, param=f"sources[{i}]")
-            loaded.append((package.resolve(source)[1], data))
-        elif not os.path.isabs(source) and directory is None:
-            raise HTTPError(400, f"relative source {source!r} needs an absolute base_directory", "invalid_value",
-                            "sources")
-        else:
-            paths.append(runtime.resolve(directory, source) if directory else source)
-    # Staging keeps the uploaded bytes only until its executables are built.
-    return _stage(server, reg, base, paths, loaded, body.get("wait", True))
-
-
-def _stage(server, reg, base, paths, loaded, wait):
-    prepared = reg.prepared
-    if len(prepared.variants) >= reg.doc["variant_capacity"]:
-        raise HTTPError(429, f"model {reg.name!r} holds {len(prepared.variants)} variants, its variant_capacity",
-                        "variant_capacity", "model")
-    variant = runtime.Variant(runtime.next_variant_id(), base.id, None, None)
-    prepared.variants[variant.id] = variant
-    reader = Deferred() if wait else None
-    if reader is not None:
-        reg.readers.add(reader)
-        reader.on_cancel = lambda: reg.readers.discard(reader)   # the compilation goes on
-
-    def settle(phase, error=None):
-        variant.phase = phase
-        variant.error = error
-        log.info("variant %d of %s: %s", variant.id, reg.name, phase,
-                 extra={"event": "variant", "model": reg.name, "variant": variant.id, "phase": phase})
-        if reader is not None and reader in reg.readers:
-            reg.readers.discard(reader)
-            reader.resolve(Response.json({"selected": prepared.selected, "variant": variant.record(detail=True)},
-                                         200 if phase == "ready" else 422))
-
-    def bound(result, error):
-        if error is not None:
-            settle("failed", {"code": getattr(error, "code", "internal"), "message": str(error)})
-            return
-        variant.binding, variant.sources = result
-        layouts = []
-        try:
-            for command, geometry in PROBES.get(reg.kind, []):
-                layouts.append(variant.binding.plan(command, **geometry))
-        except runtime.LoomError as e:
-            settle("failed", {"code": "plan", "message": str(e)})
-            return
-        pending = [len(layouts)]
-        if not layouts:
-            settle("ready")
-
-        def compiled(built):
-            for result in built.values():
-                variant.diagnostics.append({"kernel": result.name, "ok": result.ok, "log": result.log,
-                                            **({"message": result.message} if not result.ok else {})})
-            failed = [r for r in built.values() if not r.ok]
-            if failed:
-                pending[0] = -1
-                settle("failed", {"code": "compile", "message": failed[0].message})
-                return
-            pending[0] -= 1
-            if pending[0] == 0:
-                settle("ready")
-
-        for layout in layouts:
-            prepared.compile_layout(layout, variant.binding, variant.sources,
-                                    lambda built: compiled(built) if pending[0] > 0 else None)
-
-    server.loop.run_in_executor(runtime.stage_binding, bound, prepared, paths, loaded)
-    if reader is not None:
-        return reader
-    return Response.json({"selected": prepared.selected, "variant": variant.record()}, 202)
-
-
-def select_variant(server, request):
-    body = request.json(SELECT)
-    reg = _variant_service(server, body["model"])
-    prepared = reg.prepared
-    variant = _variant(server, reg, body["variant"])
-    if body["expected"] != prepared.selected:
-        raise HTTPError(409, f"the selected variant is {prepared.selected}, not {body['expected']}",
-                        "stale_expected", "expected")
-    if variant.phase != "ready":
-        raise HTTPError(409, f"variant {variant.id} is {variant.phase}", "variant_not_ready", "variant")
-    # Embedding and decision cohorts capture their plan when they start, so the
-    # switch takes effect between cohorts: this is the safe execution boundary.
-    previous = prepared.variants[prepared.selected]
-    previous.users -= 1
-    variant.users += 1
-    prepared.selected = variant.id
-    log.info("selected variant %d of %s", variant.id, reg.name,
-             extra={"event": "variant_selected", "model": reg.name, "variant": variant.id})
-    return Response.json({"selected": variant.id})
-
-
-def remove_variant(server, request):
-    body = request.json(REMOVE)
-    reg = _variant_service(server, body["model"])
-    prepared = reg.prepared
-    variant = _variant(server, reg, body["variant"])
-    if variant.phase == "compiling":
-        raise HTTPError(409, f"variant {variant.id} is still compiling", "variant_busy", "variant")
-    if variant.users or variant.id == prepared.selected:
-        raise HTTPError(409, f"variant {variant.id} is in use ({variant.users} users)", "variant_busy", "variant")
-    del prepared.variants[variant.id]
-    for key in [k for k in prepared.plans if k[0] == variant.id]:
-        prepared.plans.pop(key).release()
-    return Response.json({"removed": variant.id})
-
-
-ROUTES = [
-    ("GET", "/v1/models/variants", list_variants),
-    ("POST", "/v1/models/variants", stage_variant),
-    ("POST", "/v1/models/variants/select", select_variant),
-    ("POST", "/v1/models/variants/remove", remove_variant),
-    ("POST", "/v1/models/register", register_model),
-    ("POST", "/v1/models/drain", drain_model),
-    ("POST", "/v1/models/undrain", undrain_model),
-    ("POST", "/v1/models/unregister", unregister_model),
-    ("POST", "/v1/models/activate", activate_model),
-    ("POST", "/v1/models/deactivate", deactivate_model),
-    ("POST", "/v1/models/pin", pin_model),
-    ("POST", "/v1/models/unpin", unpin_model),
-    ("POST", "/v1/devices/trim", trim_device),
-]

@@ -1,7 +1,10 @@
-"""The one table of (method, path) -> handler, and the server-level handlers.
+"""The one table of (method, path) -> handler, the kinds table, and the server-level handlers.
+
+A server's routes are its own (health, status, metrics, logs, requests), the
+administration routes (admin.py) and every route its kinds declare (kinds.py).
 
 Handlers take (server, request, **path_params) and return a Response, Stream
-or Deferred (see http.py), or raise HTTPError. HEAD is served wherever GET is,
+or Deferred (see http.py), or raise Error. HEAD is served wherever GET is,
 with the same headers and no body. A known path with another method is 405
 with Allow; anything else is 404.
 """
@@ -9,8 +12,9 @@ with Allow; anything else is 404.
 import os
 import time
 
-from . import __version__, decisions, embeddings, logs, registry, text
-from .http import HTTPError, Response, Stream
+from . import __version__, admin, decisions, embeddings, logs, text
+from .errors import Error
+from .http import Response, Stream, page
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 
 REQUESTS_PAGE = 100     # /v1/requests page bound
@@ -26,10 +30,10 @@ def healthz(server, request):
 def readyz(server, request):
     request.require_empty_body()
     if not server.ready:
-        raise HTTPError(503, "the server is starting or stopping", "not_ready")
+        raise Error(503, "the server is starting or stopping", "not_ready")
     preparing = [r.name for r in server.registry.registrations.values() if r.phase == "preparing" and r.from_catalog]
     if preparing:
-        raise HTTPError(503, f"start-up catalog still preparing: {', '.join(preparing)}", "not_ready")
+        raise Error(503, f"start-up catalog still preparing: {', '.join(preparing)}", "not_ready")
     return Response.json({"status": "ready"})
 
 
@@ -101,7 +105,7 @@ def logz_stream(server, request):
     try:
         cursor = logs.sse_cursor_from(request.header("last-event-id"), params.get("cursor"))
     except ValueError as e:
-        raise HTTPError(400, str(e), "invalid_cursor", "cursor") from None
+        raise Error(400, str(e), "invalid_cursor", "cursor") from None
     stream = Stream()
     ring = server.logs
     state = {"cursor": cursor, "token": None}
@@ -130,19 +134,19 @@ def requests(server, request):
     limit = request.int_param(params, "limit", 50, 1, REQUESTS_PAGE)
     now = time.monotonic()
     live = list(server.requests.values())
-    page = live[offset:offset + limit]
+    data, next_offset = page(live, offset, limit)
     return Response.json({
         "object": "list",
         "data": [{"id": r.id, "method": r.method, "path": r.path, "route": r.route, "model": r.model,
                   "state": r.state, "transport": r.transport, "age_ms": round((now - r.started) * 1000, 3)}
-                 for r in page],
+                 for r in data],
         "offset": offset,
         "total": len(live),
-        "next_offset": offset + len(page) if offset + len(page) < len(live) else None,
+        "next_offset": next_offset,
     })
 
 
-ROUTES = [
+SERVER_ROUTES = [
     ("GET", "/healthz", healthz),
     ("GET", "/readyz", readyz),
     ("GET", "/v1/models", models),
@@ -151,18 +155,15 @@ ROUTES = [
     ("GET", "/logz", logz),
     ("GET", "/logz/stream", logz_stream),
     ("GET", "/v1/requests", requests),
-    ("POST", "/v1/embeddings", embeddings.create),
-    ("POST", "/v1/systemone", decisions.create),
-    ("POST", "/v1/chat/completions", text.chat_completions),
-    ("POST", "/v1/chat/completions/input_tokens", text.input_tokens),
-    ("GET", "/v1/sessions", text.sessions),
-    ("POST", "/v1/sequences", text.sequences),
-    ("POST", "/v1/checkpoints/{name}", text.pin_checkpoint),
-    ("DELETE", "/v1/checkpoints/{name}", text.delete_checkpoint),
-    ("POST", "/v1/checkpoints/{name}/suspend", text.suspend_checkpoint),
-    ("POST", "/tokenize", text.tokenize),
-    ("POST", "/detokenize", text.detokenize),
-] + registry.ROUTES
+]
+
+# The kinds this build serves: adding a kind is its module plus one line here.
+KINDS = (text.TEXT, text.SEQUENCE, embeddings.KIND, decisions.KIND)
+
+
+def table_of(kinds, extra=()):
+    """Every route: the server's own, administration's, each kind's, then `extra`."""
+    return Table(SERVER_ROUTES + admin.ROUTES + [route for kind in kinds for route in kind.routes] + list(extra))
 
 
 class Table:
@@ -177,9 +178,10 @@ class Table:
                 if entry is None:
                     entry = (path, path.strip("/").split("/"), {})
                     self.patterns.append(entry)
-                entry[2][method] = handler
             else:
-                self.exact.setdefault(path, {})[method] = handler
+                entry = (path, None, self.exact.setdefault(path, {}))
+            if entry[2].setdefault(method, handler) is not handler:
+                raise ValueError(f"two handlers for {method} {path}")
 
     def match(self, path):
         """(pattern, {method: handler}, params) or None."""
@@ -203,19 +205,16 @@ class Table:
         return None
 
 
-TABLE = Table(ROUTES)
-
-
-def dispatch(server, request, table=TABLE):
-    found = table.match(request.path)
+def dispatch(server, request):
+    found = server.routes.match(request.path)
     if found is None:
-        raise HTTPError(404, f"no route for {request.path}", "route_not_found")
+        raise Error(404, f"no route for {request.path}", "route_not_found")
     pattern, methods, params = found
     request.route = pattern
     method = "GET" if request.method == "HEAD" and "HEAD" not in methods else request.method
     handler = methods.get(method)
     if handler is None:
         allow = sorted(set(methods) | ({"HEAD"} if "GET" in methods else set()))
-        raise HTTPError(405, f"{request.method} is not allowed on {pattern}", "method_not_allowed",
+        raise Error(405, f"{request.method} is not allowed on {pattern}", "method_not_allowed",
                         headers=[("Allow", ", ".join(allow))])
     return handler(server, request, **params)

@@ -24,18 +24,14 @@ import numpy as np
 
 from . import language, vm, weights
 from .device import DriverError
+from .errors import Problem
 from .language import LoomError
 
 PLAN_CACHE = 32     # plans (geometries) kept per deployment
 
 
-class PrepareError(Exception):
+class PrepareError(Problem):
     """Preparation failed; `code` names the stage for /v1/status."""
-
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def load_module(paths, loaded=None):
@@ -56,7 +52,7 @@ def _device_array(checkpoint, tensor, storage):
         scales = raw.reshape(-1, block)[:, :2].copy().view(np.float16)
         if not np.isfinite(scales).all():
             # The kernels decode blocks without checks: an inf/NaN scale would read back as garbage.
-            raise PrepareError("weights", f"tensor {tensor!r} has non-finite block scales")
+            raise PrepareError(f"tensor {tensor!r} has non-finite block scales", "weights")
         return raw
     if storage == "F32":
         return checkpoint.array(tensor).astype(np.float32, copy=False) if info.dtype == "F32" \
@@ -65,7 +61,7 @@ def _device_array(checkpoint, tensor, storage):
         return checkpoint.array(tensor) if info.dtype == "F16" else checkpoint.dequantize(tensor).astype(np.float16)
     values = checkpoint.dequantize(tensor)
     if not np.array_equal(values, np.round(values)) or np.abs(values).max(initial=0) >= 2**31:
-        raise PrepareError("weights", f"tensor {tensor!r} is declared i32 but holds non-integer values")
+        raise PrepareError(f"tensor {tensor!r} is declared i32 but holds non-integer values", "weights")
     return values.astype(np.int32)
 
 
@@ -175,14 +171,14 @@ class Prepared:
         waiters = self.pending.pop(key)
         failed = next((r for r in built.values() if not r.ok), None)
         if failed is not None:
-            error = PrepareError("compile", f"{failed.name}: {failed.message}\n{failed.log}")
+            error = PrepareError(f"{failed.name}: {failed.message}\n{failed.log}", "compile")
             plan = None
         else:
             try:
                 plan = ExecPlan(self, layout, built, binding)
                 error = None
             except (LoomError, DriverError, KeyError) as e:
-                plan, error = None, PrepareError("plan", str(e))
+                plan, error = None, PrepareError(str(e), "plan")
             if plan is not None:
                 self.plans[key] = plan
                 while len(self.plans) > PLAN_CACHE:
@@ -212,7 +208,7 @@ class Prepared:
         try:
             checkpoint = weights.open_checkpoint(checkpoint_path)
         except (weights.WeightsError, OSError) as e:
-            raise PrepareError("checkpoint", str(e)) from None
+            raise PrepareError(str(e), "checkpoint") from None
         with checkpoint:
             try:
                 _upload_params(self, checkpoint, progress)
@@ -341,11 +337,11 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
     try:
         module = load_module(source_paths, loaded)
     except (LoomError, OSError) as e:
-        raise PrepareError("source", str(e)) from None
+        raise PrepareError(str(e), "source") from None
     try:
         checkpoint = weights.open_checkpoint(checkpoint_path)
     except (weights.WeightsError, OSError) as e:
-        raise PrepareError("checkpoint", str(e)) from None
+        raise PrepareError(str(e), "checkpoint") from None
     with checkpoint:
         tensors = {n: vm.Tensor(t.shape, t.dtype) for n, t in checkpoint.tensors.items()}
         metadata = dict(checkpoint.metadata)
@@ -353,14 +349,14 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
         try:
             binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""))
         except LoomError as e:
-            raise PrepareError("bind", str(e)) from None
+            raise PrepareError(str(e), "bind") from None
         sources = {}
         for kernel in module.kernels:
             try:
                 sources[kernel.name] = (compiler.library_source(kernel.library[:-3]) if kernel.library
                                         else kernel.source)
             except ValueError as e:
-                raise PrepareError("source", f"kernel {kernel.name}: {e}") from None
+                raise PrepareError(f"kernel {kernel.name}: {e}", "source") from None
         prepared = Prepared(name, module, binding, device, compiler, sources)
         prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint)
         try:
@@ -388,7 +384,7 @@ def _upload_params(prepared, checkpoint, progress):
     for bp in own:
         info = checkpoint.tensors.get(bp.tensor)
         if info is None or tuple(info.shape) != bp.shape:
-            raise PrepareError("checkpoint", f"tensor {bp.tensor!r} changed since the module was bound")
+            raise PrepareError(f"tensor {bp.tensor!r} changed since the module was bound", "checkpoint")
         array = _device_array(checkpoint, bp.tensor, bp.storage)
         prepared.params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
         done += array.nbytes
@@ -413,7 +409,7 @@ def _tokenizer(checkpoint_path, checkpoint):
         if os.path.isfile(os.path.join(folder, "tokenizer.json")):
             return tokenizer.load(os.path.join(folder, "tokenizer.json"))
     except (tokenizer.TokenizerError, OSError, ValueError) as e:
-        raise PrepareError("tokenizer", str(e)) from None
+        raise PrepareError(str(e), "tokenizer") from None
     return None
 
 
@@ -452,24 +448,24 @@ def stage_binding(prepared, source_paths, loaded=None):
     try:
         module = load_module(source_paths, loaded)
     except (LoomError, OSError) as e:
-        raise PrepareError("source", str(e)) from None
+        raise PrepareError(str(e), "source") from None
     base = prepared.binding
     try:
         binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format, base.driver)
     except LoomError as e:
-        raise PrepareError("contract", f"the sources do not bind to this deployment's checkpoint: {e}") from None
+        raise PrepareError(f"the sources do not bind to this deployment's checkpoint: {e}", "contract") from None
     old, new = base.contract(), binding.contract()
     for part in ("specs", "params", "states"):
         if old[part] != new[part]:
             changed = sorted(set(old[part]) ^ set(new[part])) or sorted(
                 k for k in old[part] if old[part][k] != new[part].get(k))
-            raise PrepareError("contract", f"the sources change the {part} of the resource contract: "
-                                           f"{', '.join(str(c) for c in changed[:8])}")
+            raise PrepareError(f"the sources change the {part} of the resource contract: "
+                                           f"{', '.join(str(c) for c in changed[:8])}", "contract")
     for name, args in old["commands"].items():
         if new["commands"].get(name) != args:
-            raise PrepareError("contract", f"command {name} must keep its signature {list(args)}")
+            raise PrepareError(f"command {name} must keep its signature {list(args)}", "contract")
     if module.policy is not None and module.policy != (prepared.module.policy or None):
-        raise PrepareError("contract", "the sources change the policy; that needs a new registration")
+        raise PrepareError("the sources change the policy; that needs a new registration", "contract")
     module.policy = prepared.module.policy
     sources = {}
     for kernel in module.kernels:
@@ -477,5 +473,5 @@ def stage_binding(prepared, source_paths, loaded=None):
             sources[kernel.name] = (prepared.compiler.library_source(kernel.library[:-3]) if kernel.library
                                     else kernel.source)
         except ValueError as e:
-            raise PrepareError("source", f"kernel {kernel.name}: {e}") from None
+            raise PrepareError(f"kernel {kernel.name}: {e}", "source") from None
     return binding, sources

@@ -1,4 +1,10 @@
-"""Continuous batching for text deployments: rows, paged KV, cohorts, device sampling.
+"""Cohort engines: every kind's device steps, one in flight per deployment.
+
+CohortEngine is the shape they share: work arrives on the loop thread, a cohort
+forms from what waits when no step runs, its results are applied on the loop,
+and late arrivals join the next cohort. BatchEngine batches whole requests
+(embeddings, decisions); TextEngine batches rows continuously (text, sequences).
+CPU work (tokenizing) happens on the executor before a request joins.
 
 One TextEngine per prepared text deployment. A sequence (a prompt plus its
 sampling parameters) takes an execution row and pages from the deployment's
@@ -33,17 +39,14 @@ import logging
 import numpy as np
 
 from . import runtime, vm
+from .errors import Problem
 from .kvcache import Checkpoint, History, OutOfPages, PagedState, PagePool, RowPages
 
 log = logging.getLogger("loom.scheduler")
 
 
-class Refused(Exception):
-    """A retained-state control the engine cannot do: an HTTP status and code."""
-
-    def __init__(self, status, message, code):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+class Refused(Problem):
+    """A retained-state control the engine cannot do; its code says why (errors.STATUS)."""
 
 
 class Sequence:
@@ -76,11 +79,112 @@ class Sequence:
         self.cancelled = False
 
 
-class TextEngine:
+class CohortEngine:
+    """One device step in flight per deployment: work that arrives while a step runs
+    joins the next cohort. A subclass says how a cohort forms from what waits
+    (form -> cohort or None), how it runs (launch(cohort, done(values, error))) and
+    what its results do (apply). Results are applied on the loop thread, and
+    whatever a consumer's callback does, the engine goes on to the next step."""
+
+    def __init__(self, prepared, loop):
+        self.prepared, self.loop = prepared, loop
+        self.busy = False
+        self.steps = 0           # cohorts run
+        self.requests = 0        # requests that took part in them (a text row counts once per step)
+
+    def kick(self):
+        if not self.busy:
+            self.busy = True
+            self.loop.call_soon(self._tick)    # same-tick arrivals join this cohort
+
+    def _tick(self):
+        cohort = self.form()
+        if cohort is None:
+            self.busy = False
+            return
+        self.steps += 1
+        self.launch(cohort, lambda values, error: self._retired(cohort, values, error))
+
+    def _retired(self, cohort, values, error):
+        try:
+            self.apply(cohort, values, error)
+        finally:
+            self.busy = False
+            self.kick()
+
+    def form(self):
+        raise NotImplementedError
+
+    def launch(self, cohort, done):
+        raise NotImplementedError
+
+    def apply(self, cohort, values, error):
+        raise NotImplementedError
+
+    def stats(self):
+        return {"cohorts": self.steps, "requests": self.requests}
+
+    def release_idle(self):
+        """Drop reclaimable retained state (trim); an engine without any holds none."""
+
+    def retained(self):
+        """Retained-state counters for /metrics, or None for an engine that retains nothing."""
+        return None
+
+
+class BatchEngine(CohortEngine):
+    """Whole requests batched into cohorts (embeddings, decisions). A request is a job
+    with `tokens`, `inputs`, a `key` that every job of one cohort shares, `gone`, and
+    finish(); the kind's `batch` object turns jobs into a stage call
+    (stage(jobs) -> command, geometry, inputs, outputs) and hands each job its part
+    of the results (deliver(jobs, values, error)). A cohort closes at `max_tokens`
+    tokens or `max_inputs` inputs; a larger request runs as a cohort of its own."""
+
+    def __init__(self, prepared, loop, batch, max_tokens, max_inputs):
+        super().__init__(prepared, loop)
+        self.batch = batch
+        self.max_tokens, self.max_inputs = max_tokens, max_inputs
+        self.queue = collections.deque()
+
+    def submit(self, job):
+        self.queue.append(job)
+        self.kick()
+
+    def stats(self):
+        return dict(super().stats(), waiting=len(self.queue))
+
+    def form(self):
+        jobs, tokens, inputs = [], 0, 0
+        while self.queue:
+            job = self.queue[0]
+            if job.gone:
+                self.queue.popleft().finish()   # left before its cohort: nothing was computed
+                continue
+            if jobs and (tokens + job.tokens > self.max_tokens or inputs + job.inputs > self.max_inputs
+                         or job.key != jobs[0].key):
+                break
+            jobs.append(self.queue.popleft())
+            tokens += job.tokens
+            inputs += job.inputs
+        if not jobs:
+            return None
+        self.requests += len(jobs)
+        for job in jobs:
+            job.request.state = "running"
+        return jobs
+
+    def launch(self, jobs, done):
+        command, geometry, inputs, outputs = self.batch.stage(jobs)
+        runtime.run_stage(self.prepared, self.loop, command, geometry, inputs, outputs, done)
+
+    def apply(self, jobs, values, error):
+        self.batch.deliver(jobs, values, error)
+
+
+class TextEngine(CohortEngine):
     def __init__(self, prepared, loop, rows, pages, page_size, chunk=64, token_budget=256, session_capacity=0,
                  prefix_capacity=0, checkpoint_capacity=0, elastic=False, stage="advance"):
-        self.prepared = prepared
-        self.loop = loop
+        super().__init__(prepared, loop)
         self.stage = stage                   # "advance" (text) or "encode" (known-token sequences)
         self.max_pages = prepared.spec("MAX_PAGES")
         self.pool = PagePool(pages, page_size)
@@ -105,8 +209,6 @@ class TextEngine:
         self.waiting = collections.deque()
         self.chunk = chunk
         self.token_budget = token_budget
-        self.busy = False
-        self.steps = 0
         if stage == "advance":
             self.vocab = prepared.spec("V")
             self.sampler = prepared.compiler.compile(prepared.compiler.library_source("sample"), {"V": self.vocab},
@@ -119,7 +221,7 @@ class TextEngine:
         if not seq.prompt:
             raise ValueError("an empty prompt")
         self.waiting.append(seq)
-        self._kick()
+        self.kick()
 
     def cancel(self, seq):
         """Stop a sequence: at once if it waits for a row, else at the next step
@@ -136,7 +238,7 @@ class TextEngine:
             self.claimed.discard(seq.session)
             seq.finish_reason = "cancelled"
             seq.on_done("cancelled")
-        self._kick()
+        self.kick()
 
     def _unborrow(self, seq):
         if seq.checkpoint is not None:
@@ -145,7 +247,7 @@ class TextEngine:
 
     def stats(self):
         """For /v1/status: what the rows and the KV pool hold right now."""
-        return {"rows": len(self.rows), "active": sum(r is not None for r in self.rows),
+        return {**super().stats(), "rows": len(self.rows), "active": sum(r is not None for r in self.rows),
                 "waiting": len(self.waiting),
                 "idle_conversations": sum(1 for r, h in enumerate(self.history) if self.rows[r] is None and h),
                 "sessions": len(self.sessions), "prefixes": len(self.prefixes),
@@ -155,14 +257,12 @@ class TextEngine:
                 "pages": {"total": self.pool.pages, "free": self.pool.available, "page_size": self.pool.page_size},
                 "steps": self.steps}
 
+    def retained(self):
+        return self.stats()
+
     def wake(self):
         """A consumer that was not ready is ready again (its output drained)."""
-        self._kick()
-
-    def _kick(self):
-        if not self.busy:
-            self.busy = True
-            self.loop.call_soon(self._step)
+        self.kick()
 
     # -- steps ------------------------------------------------------------------
     def _retire(self, row, reason):
@@ -304,16 +404,18 @@ class TextEngine:
 
     def claim(self, handle, position):
         """A sequence append: take handle's retained history out of the cache so nothing
-        evicts it while the append waits. -> History; KeyError if absent (evicted,
-        invalidated), ValueError if busy or `position` is not its completed position."""
+        evicts it while the append waits. -> History; Refused if absent (evicted,
+        invalidated: session_not_found), or if busy or `position` is not its completed
+        position (sequence_conflict)."""
         if self.busy_session(handle):
-            raise ValueError(f"sequence {handle} is in use by another request")
+            raise Refused(f"sequence {handle} is in use by another request", "sequence_conflict", "position")
         saved = self.sessions.get(handle)
         if saved is None:
-            raise KeyError(handle)
+            raise Refused(f"sequence {handle} does not exist (evicted, unregistered or invalidated)",
+                          "session_not_found", "session")
         if position != len(saved.tokens):
-            raise ValueError(f"position {position} is stale: sequence {handle} has completed "
-                             f"{len(saved.tokens)} tokens")
+            raise Refused(f"position {position} is stale: sequence {handle} has completed "
+                          f"{len(saved.tokens)} tokens", "sequence_conflict", "position")
         self.claimed.add(handle)
         return self.sessions.pop(handle)
 
@@ -332,7 +434,7 @@ class TextEngine:
         """A request will start from checkpoint `name`: it cannot be deleted meanwhile."""
         cp = self.checkpoints.get(name)
         if cp is None:
-            raise Refused(404, f"no checkpoint {name!r}", "checkpoint_not_found")
+            raise Refused(f"no checkpoint {name!r}", "checkpoint_not_found")
         cp.borrowers += 1
         return cp
 
@@ -343,14 +445,14 @@ class TextEngine:
         """Pin an idle completed session (or sequence handle) as checkpoint `name`.
         Raises Refused(404 | 409 | 503)."""
         if name in self.checkpoints:
-            raise Refused(409, f"checkpoint {name!r} already exists", "checkpoint_exists")
+            raise Refused(f"checkpoint {name!r} already exists", "checkpoint_exists")
         if self.busy_session(session):
-            raise Refused(409, f"session {session!r} is busy", "session_busy")
+            raise Refused(f"session {session!r} is busy", "session_busy")
         saved = self.sessions.get(session)
         if saved is None:
-            raise Refused(404, f"no retained session {session!r}", "session_not_found")
+            raise Refused(f"no retained session {session!r}", "session_not_found")
         if len(self.checkpoints) >= self.checkpoint_capacity:
-            raise Refused(503, f"all {self.checkpoint_capacity} checkpoints are pinned", "checkpoint_capacity")
+            raise Refused(f"all {self.checkpoint_capacity} checkpoints are pinned", "checkpoint_capacity")
         self.pool.share(saved.pages)
         cp = self.checkpoints[name] = Checkpoint(name, saved)
         return cp
@@ -360,9 +462,9 @@ class TextEngine:
         released; done(checkpoint, error) on the loop. Live branches keep their pages."""
         cp = self.checkpoints.get(name)
         if cp is None:
-            raise Refused(404, f"no checkpoint {name!r}", "checkpoint_not_found")
+            raise Refused(f"no checkpoint {name!r}", "checkpoint_not_found")
         if not self.elastic:
-            raise Refused(400, "this deployment's checkpoints have fixed backing; they cannot be suspended",
+            raise Refused("this deployment's checkpoints have fixed backing; they cannot be suspended",
                           "fixed_backing")
         if cp.host is not None:
             done(cp, None)
@@ -379,7 +481,7 @@ class TextEngine:
                 self.pool.release(cp.pages)
                 cp.pages, cp.host = None, arrays
             elif error is None:
-                error = Refused(404, f"checkpoint {name!r} was deleted while suspending", "checkpoint_not_found")
+                error = Refused(f"checkpoint {name!r} was deleted while suspending", "checkpoint_not_found")
             for fn in waiters:
                 fn(cp, error)
 
@@ -388,9 +490,9 @@ class TextEngine:
     def delete(self, name):
         cp = self.checkpoints.get(name)
         if cp is None:
-            raise Refused(404, f"no checkpoint {name!r}", "checkpoint_not_found")
+            raise Refused(f"no checkpoint {name!r}", "checkpoint_not_found")
         if cp.borrowers:
-            raise Refused(409, f"checkpoint {name!r} has {cp.borrowers} queued requests starting from it",
+            raise Refused(f"checkpoint {name!r} has {cp.borrowers} queued requests starting from it",
                           "checkpoint_borrowed")
         del self.checkpoints[name]
         if cp.pages is not None:
@@ -462,7 +564,9 @@ class TextEngine:
         self.history[row] = None
         return True
 
-    def _step(self):
+    def form(self):
+        """This step's work: (row, ids) pairs -- decode tokens of running rows plus
+        prefill chunks, within the token budget -- or None when nothing can run."""
         for row, seq in enumerate(self.rows):
             if seq is not None and seq.cancelled:
                 self._retire(row, "cancelled")
@@ -494,14 +598,12 @@ class TextEngine:
                 continue                              # the pool is full: wait for pages to free
             work.append((row, ids))
             budget -= len(ids)
-        if not work:
-            self.busy = False
-            return
-        self._run(work)
+        self.requests += len(work)
+        return work or None
 
-    def _run(self, work):
+    def launch(self, work, done):
         if self.stage == "encode":
-            self._run_encode(work)
+            self._launch_encode(work, done)
             return
         tokens, pos, row_of, last = [], [], [], []
         for row, ids in work:
@@ -520,13 +622,11 @@ class TextEngine:
                   "row_of": np.array([remap[r] for r in row_of], np.int32), "pages": tables.ravel(),
                   "last": np.array(last, np.int32)}
         R = len(work)
-        self.steps += 1
         runtime.run_stage(self.prepared, self.loop, "advance", {"T": len(tokens), "R": R}, inputs,
-                          {"logits": (np.float32, R * self.vocab)},
-                          lambda values, error: self._stepped(work, values, error),
+                          {"logits": (np.float32, R * self.vocab)}, done,
                           after=lambda buffers, finish: self._sample(buffers, R, params, seeds, finish))
 
-    def _run_encode(self, work):
+    def _launch_encode(self, work, done):
         """A cohort of known ids: keys and values into the rows' pages, and each token's
         output bytes (captured in a step buffer before scratch is reused) back to the host."""
         tokens, pos, row_of = [], [], []
@@ -538,10 +638,8 @@ class TextEngine:
         tables = np.stack([self.tables[row].table() for row, _ in work])
         inputs = {"tokens": np.array(tokens, np.int32), "pos": np.array(pos, np.int32),
                   "row_of": np.array(row_of, np.int32), "pages": tables.ravel()}
-        self.steps += 1
         runtime.run_stage(self.prepared, self.loop, "encode", {"T": len(tokens)}, inputs,
-                          {"out": (np.uint8, len(tokens) * self.out_bytes)},
-                          lambda values, error: self._stepped(work, values, error))
+                          {"out": (np.uint8, len(tokens) * self.out_bytes)}, done)
 
     def _sample(self, buffers, R, params, seeds, done):
         """Runs after `advance` on the same in-order queue: logits -> token ids on the device."""
@@ -565,16 +663,7 @@ class TextEngine:
 
         self.loop.run_in_executor(lambda: {"ids": transfer.wait()}, release)
 
-    def _stepped(self, work, values, error):
-        """A step retired: apply it, and whatever a consumer's callback does, the
-        engine goes on to the next step."""
-        try:
-            self._apply(work, values, error)
-        finally:
-            self.busy = False
-            self._kick()
-
-    def _apply(self, work, values, error):
+    def apply(self, work, values, error):
         if error is not None:
             log.error("step failed: %s", error, extra={"event": "step_failed", "model": self.prepared.name})
             for row, _ in work:
@@ -645,3 +734,12 @@ def _common_prefix(a, b):
             break
         n += 1
     return n
+
+
+def pack(sequences):
+    """Token lists -> (ids, positions within each, offsets), as batch stage commands take them."""
+    ids = np.fromiter((t for seq in sequences for t in seq), np.int32)
+    offsets = np.zeros(len(sequences) + 1, np.int32)
+    np.cumsum([len(s) for s in sequences], out=offsets[1:])
+    pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in sequences])
+    return ids, pos, offsets

@@ -9,10 +9,7 @@ producer sees that credit through `stream.ready`, so a slow reader stalls
 only its own producer. Worker threads hand results back via call_soon_threadsafe.
 """
 
-import collections
-import concurrent.futures
 import errno
-import heapq
 import itertools
 import logging
 import os
@@ -23,11 +20,14 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from . import __version__
+from . import __version__, routes
 from ._native.framing import FramingError, RequestParser
-from .http import Deferred, HTTPError, Request, Stream
+from .errors import Error, Problem
+from .http import Deferred, Request, Response, Stream
 from .logs import LogRing, RingHandler
+from .loop import Loop
 from .metrics import Registry
+from .registry import Registry as Models, first_line
 
 log = logging.getLogger("loom")
 
@@ -54,96 +54,6 @@ class Config:
     log_level: str = "info"
     device: str | None = None
     memory_bytes: int | None = None
-
-
-class Loop:
-    """Callbacks, timers, readiness and a bounded thread executor around one selector."""
-
-    def __init__(self, workers):
-        self.selector = selectors.DefaultSelector()
-        self._ready = collections.deque()
-        self._timers = []
-        self._seq = itertools.count()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self.selector.register(self._wake_r, selectors.EVENT_READ, self._drain_wakeups)
-        self.executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="loom-worker")
-        self.executor_pending = 0
-
-    def call_soon(self, fn, *args):
-        self._ready.append((fn, args))
-
-    def call_soon_threadsafe(self, fn, *args):
-        self._ready.append((fn, args))  # deque.append is atomic
-        try:
-            self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a full wake pipe already guarantees a wakeup
-
-    def call_later(self, delay, fn, *args):
-        timer = [time.monotonic() + delay, next(self._seq), fn, args, False]
-        heapq.heappush(self._timers, timer)
-        return timer
-
-    @staticmethod
-    def cancel_timer(timer):
-        timer[4] = True
-
-    def run_in_executor(self, fn, done, *args):
-        """Run fn(*args) on a worker; done(result, error) runs on the loop thread."""
-        self.executor_pending += 1
-
-        def finished(future):
-            error = future.exception()
-            self.call_soon_threadsafe(self._complete, done, None if error else future.result(), error)
-
-        self.executor.submit(fn, *args).add_done_callback(finished)
-
-    def _complete(self, done, result, error):
-        self.executor_pending -= 1
-        done(result, error)
-
-    def _drain_wakeups(self, _mask):
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def wakeup_fd(self):
-        return self._wake_w.fileno()
-
-    def run_once(self):
-        timeout = 0 if self._ready else None
-        if self._timers and timeout is None:
-            timeout = max(0.0, self._timers[0][0] - time.monotonic())
-        for key, mask in self.selector.select(timeout):
-            self._guarded(key.data, (mask,))
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, fn, args, cancelled = heapq.heappop(self._timers)
-            if not cancelled:
-                self._ready.append((fn, args))
-        for _ in range(len(self._ready)):
-            fn, args = self._ready.popleft()
-            self._guarded(fn, args)
-
-    @staticmethod
-    def _guarded(fn, args):
-        # A bug in one callback is logged and contained: it must never take the
-        # server (and every other client's work) down with it.
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("callback %r failed", getattr(fn, "__qualname__", fn),
-                          extra={"event": "callback_failed"})
-
-    def close(self):
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
 
 
 class Listener:
@@ -445,7 +355,7 @@ class Connection:
         self.server.framing_errors.inc(code=error.code)
         if error.status == 413:
             self.server.body_limit_rejections.inc()
-        response = HTTPError(error.status, error.message, error.code).response()
+        response = Response.error(Error(error.status, error.message, error.code))
         request = Request(self.server.next_request_id(), "-", "-", 11, [], b"", False, self.transport)
         self.server.finished(request, error.status, "rejected", route="(framing)")
         self.send_error_and_linger(response)
@@ -501,14 +411,16 @@ class Connection:
                 or now - self.request_since > cfg.request_timeout
                 or now - self.last_read > cfg.idle_timeout):
             self.server.framing_errors.inc(code="request_timeout")
-            self.send_error_and_linger(HTTPError(408, "request not received in time", "request_timeout").response())
+            self.send_error_and_linger(Response.error(Error(408, "request not received in time", "request_timeout")))
 
 
 class Server:
-    def __init__(self, config, dispatch=None):
-        from . import routes
+    def __init__(self, config, kinds=None, extra_routes=()):
+        """`kinds` defaults to routes.KINDS, the kinds this build serves; `extra_routes`
+        are (method, path, handler) rows added to the table (tests)."""
         self.config = config
-        self.dispatch = dispatch or routes.dispatch
+        kinds = routes.KINDS if kinds is None else tuple(kinds)
+        self.routes = routes.table_of(kinds, extra_routes)
         self.loop = Loop(config.workers)
         self.listeners = []
         self.connections = set()
@@ -522,8 +434,7 @@ class Server:
         self.logs = LogRing(config.log_capacity, notifier=lambda: self.loop.call_soon_threadsafe(self.logs.notify))
         self.metrics = Registry()
         self._define_metrics()
-        from .registry import Registry as Models
-        self.registry = Models(self)
+        self.registry = Models(self, kinds)
 
     def _define_metrics(self):
         m = self.metrics
@@ -578,11 +489,10 @@ class Server:
 
     def _catalog_settled(self, registrations):
         """The start-up summary: one line per catalog model, then `ready`."""
-        from .registry import _first_line
         failed = [r for r in registrations if r.phase == "failed"]
         for reg in registrations:
             if reg.phase == "failed":
-                log.error("model %s: failed (%s): %s", reg.name, reg.error["code"], _first_line(reg.error["message"]),
+                log.error("model %s: failed (%s): %s", reg.name, reg.error["code"], first_line(reg.error["message"]),
                           extra={"event": "model_summary", "model": reg.name, "phase": reg.phase,
                                  "code": reg.error["code"]})
             else:
@@ -656,7 +566,7 @@ class Server:
     def accept(self, sock, listener):
         if self.stopping or len(self.connections) >= self.config.connections:
             self.connections_rejected.inc()
-            body = HTTPError(503, "too many connections", "connection_limit").response()
+            body = Response.error(Error(503, "too many connections", "connection_limit"))
             try:
                 sock.setblocking(False)
                 sock.send(body.head_bytes(False, length=len(body.body)) + body.body)
@@ -680,13 +590,13 @@ class Server:
     def handle(self, request):
         """Route a complete request; every failure becomes an error response."""
         try:
-            return self.dispatch(self, request)
-        except HTTPError as e:
-            return e.response()
+            return routes.dispatch(self, request)
+        except Problem as e:      # an Error, or a lower layer's Problem mapped by its code
+            return Response.error(Error.of(e))
         except Exception:
             log.exception("request %d %s %s failed", request.id, request.method, request.path,
                           extra={"event": "handler_failed", "request": request.id, "path": request.path})
-            return HTTPError(500, "internal error", "internal_error").response()
+            return Response.error(Error(500, "internal error", "internal_error"))
 
     def finished(self, request, status, outcome, route=None):
         self.requests.pop(request.id, None)

@@ -23,9 +23,10 @@ import re
 import secrets
 import time
 
-from . import registry
+from . import kinds, registry
 from .chat import ChatPolicy, ToolCallError
-from .http import Deferred, HTTPError, Response, Stream, sse_event
+from .errors import Error
+from .http import Deferred, Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
 from .scheduler import Refused, Sequence, TextEngine
 
@@ -40,12 +41,12 @@ DETOKENIZE = Obj({"model": Str(min_len=1), "tokens": Arr(Int(lo=0, hi=2**31 - 1)
 def _tokenizer(server, name):
     reg = server.registry.registrations.get(name)
     if reg is None or reg.removing:
-        raise HTTPError(404, f"model {name!r} does not exist", "model_not_found", "model")
+        raise Error(404, f"model {name!r} does not exist", "model_not_found", "model")
     tokenizer = reg.prepared.tokenizer if reg.prepared is not None else None
     if tokenizer is None:
-        raise HTTPError(404, f"model {name!r} has no loaded tokenizer", "tokenizer_not_found", "model")
+        raise Error(404, f"model {name!r} has no loaded tokenizer", "tokenizer_not_found", "model")
     if reg.admission != "open":
-        raise HTTPError(503, f"model {name!r} is drained", "model_drained", "model")
+        raise Error(503, f"model {name!r} is drained", "model_drained", "model")
     return reg, tokenizer
 
 
@@ -55,10 +56,10 @@ def _run(server, reg, request, fn, respond):
     deferred = Deferred()
 
     def done(result, error):
-        if isinstance(error, HTTPError):
-            deferred.resolve(error.response())
+        if isinstance(error, Error):
+            deferred.resolve(Response.error(error))
         elif error is not None:
-            deferred.resolve(HTTPError(500, f"tokenizer failed: {error}", "tokenizer_failed").response())
+            deferred.resolve(Response.error(Error(500, f"tokenizer failed: {error}", "tokenizer_failed")))
         else:
             deferred.resolve(respond(result))
 
@@ -70,17 +71,17 @@ def _run(server, reg, request, fn, respond):
 def tokenize(server, request):
     body = request.json(TOKENIZE)
     if body.get("with_pieces"):
-        raise HTTPError(400, "with_pieces:true is not supported: the decoder contract exposes no token bytes",
+        raise Error(400, "with_pieces:true is not supported: the decoder contract exposes no token bytes",
                         "unsupported_value", "with_pieces")
     if len(body["content"].encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
-        raise HTTPError(413, f"content is over {MAX_TEXT_BYTES} bytes", "content_too_large", "content")
+        raise Error(413, f"content is over {MAX_TEXT_BYTES} bytes", "content_too_large", "content")
     reg, tok = _tokenizer(server, body["model"])
 
     def work():
         ids = tok.encode(body["content"], add_special=body.get("add_special", False),
                          parse_special=body.get("parse_special", True))
         if len(ids) > MAX_TOKENS:
-            raise HTTPError(413, f"content is over {MAX_TOKENS} tokens", "content_too_large", "content")
+            raise Error(413, f"content is over {MAX_TOKENS} tokens", "content_too_large", "content")
         return ids
 
     return _run(server, reg, request, work, lambda ids: Response.json({"tokens": ids}))
@@ -89,17 +90,17 @@ def tokenize(server, request):
 def detokenize(server, request):
     body = request.json(DETOKENIZE)
     if len(body["tokens"]) > MAX_TOKENS:
-        raise HTTPError(413, f"more than {MAX_TOKENS} tokens", "content_too_large", "tokens")
+        raise Error(413, f"more than {MAX_TOKENS} tokens", "content_too_large", "tokens")
     reg, tok = _tokenizer(server, body["model"])
     bad = next((t for t in body["tokens"] if t >= tok.vocab_size), None)
     if bad is not None:
-        raise HTTPError(400, f"token id {bad} is outside the vocabulary (size {tok.vocab_size})", "invalid_value",
+        raise Error(400, f"token id {bad} is outside the vocabulary (size {tok.vocab_size})", "invalid_value",
                         "tokens")
 
     def work():
         text = tok.decode(body["tokens"])
         if len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
-            raise HTTPError(413, f"decoded text is over {MAX_TEXT_BYTES} bytes", "content_too_large", "tokens")
+            raise Error(413, f"decoded text is over {MAX_TEXT_BYTES} bytes", "content_too_large", "tokens")
         return text
 
     return _run(server, reg, request, work, lambda text: Response.json({"content": text}))
@@ -140,15 +141,11 @@ CHAT = Obj({
 
 
 def _policy(reg):
-    """The deployment's chat policy, built once per prepared deployment."""
-    prepared = reg.prepared
-    if getattr(prepared, "chat", None) is None:
-        template = prepared.binding.metadata.get("tokenizer.chat_template")
-        try:
-            prepared.chat = ChatPolicy(prepared.policy, template, (reg.doc.get("options") or {}).get("chat"))
-        except ValueError as e:
-            raise HTTPError(501, f"model {reg.name!r} has no chat framing: {e}", "not_implemented", "model") from None
-    return prepared.chat
+    """The deployment's chat policy (built when its engine started), or 501."""
+    policy = reg.engine.chat
+    if isinstance(policy, ValueError):
+        raise Error(501, f"model {reg.name!r} has no chat framing: {policy}", "not_implemented", "model")
+    return policy
 
 
 def _sampling(policy, body):
@@ -160,7 +157,7 @@ def _sampling(policy, body):
         if value is None:
             value = rule.get("default", fallback)
         elif not rule.get("min", value) <= value <= rule.get("max", value):
-            raise HTTPError(400, f"{name} must be from {rule['min']} to {rule['max']} for this model",
+            raise Error(400, f"{name} must be from {rule['min']} to {rule['max']} for this model",
                             "out_of_range", name)
         values.append(value)
     return values
@@ -171,30 +168,30 @@ def _validated(server, request):
     every field checked, the policy's framing applied. -> (body, reg, policy, prompt text)."""
     body = request.json(CHAT)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-        raise HTTPError(400, "supply max_tokens or max_completion_tokens, not both", "invalid_value",
+        raise Error(400, "supply max_tokens or max_completion_tokens, not both", "invalid_value",
                         "max_completion_tokens")
     stream = bool(body.get("stream"))
     if body.get("stream_options") and not stream:
-        raise HTTPError(400, "stream_options requires stream: true", "invalid_value", "stream_options")
+        raise Error(400, "stream_options requires stream: true", "invalid_value", "stream_options")
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none"):
-        raise HTTPError(400, "only tool_choice auto and none are supported", "unsupported_value", "tool_choice")
+        raise Error(400, "only tool_choice auto and none are supported", "unsupported_value", "tool_choice")
     if body.get("store"):
-        raise HTTPError(400, "store is not supported", "unsupported_value", "store")
+        raise Error(400, "store is not supported", "unsupported_value", "store")
     for i, m in enumerate(body["messages"]):
         if m["role"] != "assistant" and m.get("content") is None:
-            raise HTTPError(400, f"messages[{i}] needs content", "missing_field", f"messages[{i}].content")
+            raise Error(400, f"messages[{i}] needs content", "missing_field", f"messages[{i}].content")
         if m.get("tool_calls") and m["role"] != "assistant":
-            raise HTTPError(400, "only assistant messages carry tool_calls", "invalid_value",
+            raise Error(400, "only assistant messages carry tool_calls", "invalid_value",
                             f"messages[{i}].tool_calls")
-    reg = server.registry.admit(body["model"], "text")
+    reg = server.registry.admit(body["model"], TEXT)
     request.model = reg.name
     policy = _policy(reg)
     _sampling(policy, body)
     allowed = set(policy.format.get("model_options", []))
     unknown = sorted(set(body.get("model_options") or {}) - allowed)
     if unknown:
-        raise HTTPError(400, f"model_options {', '.join(unknown)} not understood by this model's policy",
+        raise Error(400, f"model_options {', '.join(unknown)} not understood by this model's policy",
                         "unknown_field", f"model_options.{unknown[0]}")
     prompt = policy.render(body["messages"], body.get("tools"), body.get("enable_thinking"))
     return body, reg, policy, prompt
@@ -206,13 +203,8 @@ SESSION_NAME = registry.NAME   # sessions and checkpoints are named like deploym
 def _name_header(request, header):
     value = request.header(header.lower())
     if value is not None and not SESSION_NAME.fullmatch(value):
-        raise HTTPError(400, f"{header} names are 1-64 ASCII letters, digits, '_', '.' or '-'", "invalid_header",
-                        header)
+        raise Error(400, f"{header} names are {registry.NAME_RULE}", "invalid_header", header)
     return value
-
-
-def _refused(e):
-    return HTTPError(e.status, e.message, e.code)
 
 
 def chat_completions(server, request):
@@ -223,12 +215,7 @@ def chat_completions(server, request):
     choice = body.get("tool_choice", "auto")
     temperature, top_p, top_k = _sampling(policy, body)
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or reg.doc["max_output_tokens"]
-    cp = None
-    if checkpoint is not None:
-        try:
-            cp = engine(server, reg).borrow(checkpoint)   # an unknown name is 404 at once
-        except Refused as e:
-            raise _refused(e) from None
+    cp = reg.engine.borrow(checkpoint) if checkpoint is not None else None   # an unknown name is 404 at once
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
                   body.get("enable_thinking"), choice != "none", session, cp)
@@ -238,7 +225,7 @@ def chat_completions(server, request):
 def _enter(server, reg, job):
     try:
         server.registry.enter(reg, job)
-    except HTTPError:
+    except Error:
         job.release()
         raise
     return job.deferred
@@ -249,23 +236,22 @@ def input_tokens(server, request):
     no row, no KV pages, no weights; the same validation and framing."""
     for header in ("x-loom-session", "x-loom-checkpoint"):
         if request.header(header) is not None:
-            raise HTTPError(400, f"{header} selects retained state; counting is stateless", "unsupported_header",
+            raise Error(400, f"{header} selects retained state; counting is stateless", "unsupported_header",
                             header)
     body, reg, policy, prompt = _validated(server, request)
-    counting = getattr(reg, "counting", 0)
-    if counting >= reg.doc["pending_capacity"]:
-        raise HTTPError(503, f"model {reg.name!r} has a full counting queue", "queue_full", "model")
-    reg.counting = counting + 1
+    if reg.engine.counting >= reg.doc["pending_capacity"]:
+        raise Error(503, f"model {reg.name!r} has a full counting queue", "queue_full", "model")
+    reg.engine.counting += 1
     job = CountJob(server, reg, request, prompt)
     try:
         server.registry.enter(reg, job)     # the drain policy applies: a drained model queues the count
-    except HTTPError:
-        reg.counting -= 1
+    except Error:
+        reg.engine.counting -= 1
         raise
     return job.deferred
 
 
-class CountJob(registry.Job):
+class CountJob(kinds.Job):
     """An input_tokens count: the policy's tokenizer on a CPU worker, no weights or rows."""
 
     what = "input token count"
@@ -282,9 +268,9 @@ class CountJob(registry.Job):
     def counted(self, ids, error):
         context = self.reg.doc["context_length"]
         if error is not None:
-            self.finish(error=HTTPError(500, f"tokenizer failed: {error}", "tokenizer_failed"))
+            self.finish(error=Error(500, f"tokenizer failed: {error}", "tokenizer_failed"))
         elif len(ids) > context:
-            self.finish(error=HTTPError(400, f"the input has {len(ids)} tokens, over the context length {context}",
+            self.finish(error=Error(400, f"the input has {len(ids)} tokens, over the context length {context}",
                                         "context_length_exceeded", "messages"))
         else:
             self.finish(Response.json({"input_tokens": len(ids)}))
@@ -297,23 +283,11 @@ class CountJob(registry.Job):
 
     def finish(self, response=None, error=None):
         if not self.finished:
-            self.reg.counting -= 1
+            self.engine.counting -= 1
         super().finish(response, error)
 
 
-def engine(server, reg):
-    if getattr(reg, "engine", None) is None or reg.engine.prepared is not reg.prepared:
-        options = reg.prepared.binding.options
-        reg.engine = TextEngine(reg.prepared, server.loop, rows=reg.doc["rows"], pages=options["pages"],
-                                page_size=options["page_size"], session_capacity=reg.doc["session_cache_capacity"],
-                                prefix_capacity=reg.doc["prefix_cache_capacity"],
-                                checkpoint_capacity=reg.doc["checkpoint_capacity"],
-                                elastic=reg.doc["checkpoint_backing"] == "elastic",
-                                stage="encode" if reg.kind == "sequence" else "advance")
-    return reg.engine
-
-
-class StreamingJob(registry.Job):
+class StreamingJob(kinds.Job):
     """A request on a TextEngine whose answer may be an SSE stream. The stream is handed
     to the client once the request has a row (open_stream); before that every error is
     an HTTP status. What was reserved for a request that never reached the engine (a
@@ -332,13 +306,13 @@ class StreamingJob(registry.Job):
     def open_stream(self):
         self.stream = Stream()
         self.stream.on_close = lambda reason: self.cancelled()
-        self.stream.on_ready = lambda: engine(self.server, self.reg).wake()
+        self.stream.on_ready = lambda: self.engine.wake()
         self.deferred.resolve(self.stream)
 
     def stop(self):
         """The step in flight retires before the row is let go."""
         if self.seq is not None:
-            engine(self.server, self.reg).cancel(self.seq)
+            self.engine.cancel(self.seq)
         else:
             self.release()
 
@@ -361,7 +335,7 @@ class StreamingJob(registry.Job):
     def finish(self, response=None, error=None):
         self.release()
         if self.stream is not None and error is not None and not self.gone:
-            self.send_error(error if isinstance(error, HTTPError) else HTTPError(500, str(error), "execution_failed"),
+            self.send_error(error if isinstance(error, Error) else Error(500, str(error), "execution_failed"),
                             "server_error")
             error = None
         super().finish(response, error)
@@ -390,7 +364,7 @@ class ChatJob(StreamingJob):
 
     def release(self):
         if self.checkpoint is not None:
-            engine(self.server, self.reg).unborrow(self.checkpoint)
+            self.engine.unborrow(self.checkpoint)
             self.checkpoint = None
 
     def run(self):
@@ -403,13 +377,13 @@ class ChatJob(StreamingJob):
             return
         context = self.reg.doc["context_length"]
         if len(ids) + self.limit > context:
-            self.finish(error=HTTPError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({self.limit}) "
+            self.finish(error=Error(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({self.limit}) "
                                              f"exceeds the context length {context}", "context_length_exceeded",
                                         "messages"))
             return
         cp = self.checkpoint
         if cp is not None and ids[:len(cp.tokens)] != cp.tokens:
-            self.finish(error=HTTPError(400, f"the conversation does not extend checkpoint {cp.name!r}: its "
+            self.finish(error=Error(400, f"the conversation does not extend checkpoint {cp.name!r}: its "
                                              f"{len(cp.tokens)} consumed tokens differ from the rendered history",
                                         "history_mismatch", "messages"))
             return
@@ -425,7 +399,7 @@ class ChatJob(StreamingJob):
                             ready=lambda: self.stream is None or self.stream.ready, session=self.session,
                             checkpoint=cp, on_start=self.on_start)
         self.checkpoint = None            # the engine owns the borrow now
-        engine(self.server, self.reg).submit(self.seq)
+        self.engine.submit(self.seq)
 
     def on_start(self):
         """The request has a row: a streamed response begins."""
@@ -455,18 +429,18 @@ class ChatJob(StreamingJob):
                 self.send({"reasoning_content" if kind == "reasoning" else "content": text})
 
     def fail_generation(self, error):
-        engine(self.server, self.reg).cancel(self.seq)
-        self.finish(error=HTTPError(500, f"the model generated an invalid tool call: {error}", "invalid_tool_call"))
+        self.engine.cancel(self.seq)
+        self.finish(error=Error(500, f"the model generated an invalid tool call: {error}", "invalid_tool_call"))
 
     def on_done(self, reason):
         if self.gone:
             self.finish()
             return
         if reason == "error":
-            self.finish(error=HTTPError(500, f"generation failed: {self.seq.error}", "execution_failed"))
+            self.finish(error=Error(500, f"generation failed: {self.seq.error}", "execution_failed"))
             return
         if reason == "refused":
-            self.finish(error=HTTPError(503, "the KV pool cannot hold the checkpoint's pages right now",
+            self.finish(error=Error(503, "the KV pool cannot hold the checkpoint's pages right now",
                                         "checkpoint_restore_refused", "X-Loom-Checkpoint"))
             return
         try:
@@ -512,15 +486,15 @@ def sessions(server, request):
     offset = request.int_param(params, "offset", 0, 0, 2**63 - 1)
     limit = request.int_param(params, "limit", 50, 1, 100)
     retaining = [reg for reg in server.registry.registrations.values()
-                 if reg.kind in ("text", "sequence") and not reg.removing]
+                 if reg.kind in (TEXT, SEQUENCE) and not reg.removing]
     if not retaining:
-        raise HTTPError(501, "no text or sequence deployment retains sessions here", "not_implemented")
+        raise Error(501, "no text or sequence deployment retains sessions here", "not_implemented")
     rows = []
     for reg in retaining:
-        eng = getattr(reg, "engine", None)
+        eng = reg.engine
         if eng is None:
             continue
-        kind = "sequence" if reg.kind == "sequence" else "session"
+        kind = "sequence" if reg.kind is SEQUENCE else "session"
         for name, saved in eng.sessions.items():
             rows.append({"model": reg.name, "type": kind, "session": name, "position": len(saved.tokens),
                          "pages": len(saved.pages), "state": "idle"})
@@ -533,9 +507,9 @@ def sessions(server, request):
             rows.append({"model": reg.name, "type": "checkpoint", "checkpoint": cp.name, "position": len(cp.tokens),
                          "pages": len(cp.pages or ()), "host_snapshot_bytes": cp.host_bytes,
                          "state": "suspended" if cp.host is not None else "pinned"})
-    page = rows[offset:offset + limit]
-    return Response.json({"object": "list", "data": page, "offset": offset, "total": len(rows),
-                          "next_offset": offset + len(page) if offset + len(page) < len(rows) else None})
+    data, next_offset = page(rows, offset, limit)
+    return Response.json({"object": "list", "data": data, "offset": offset, "total": len(rows),
+                          "next_offset": next_offset})
 
 
 # -- named checkpoints: POST/DELETE /v1/checkpoints/NAME, POST .../suspend ------------------
@@ -546,23 +520,22 @@ def _retaining(server, request, name):
     one deployment), which must be prepared and have checkpoint capacity."""
     request.require_empty_body()
     if not SESSION_NAME.fullmatch(name):
-        raise HTTPError(400, "checkpoint names are 1-64 ASCII letters, digits, '_', '.' or '-'", "invalid_value",
-                        "name")
+        raise Error(400, f"checkpoint names are {registry.NAME_RULE}", "invalid_value", "name")
     model = request.header("x-loom-model")
     live = [r for r in server.registry.registrations.values() if not r.removing]
     if model is None:
         if len(live) != 1:
-            raise HTTPError(400, "X-Loom-Model selects the deployment (it may be omitted only when exactly one "
+            raise Error(400, "X-Loom-Model selects the deployment (it may be omitted only when exactly one "
                                  "is registered)", "missing_header", "X-Loom-Model")
         reg = live[0]
     else:
         reg = server.registry.registrations.get(model)
         if reg is None or reg.removing:
-            raise HTTPError(404, f"model {model!r} does not exist", "model_not_found", "X-Loom-Model")
-    if reg.kind not in ("text", "sequence") or not reg.doc["checkpoint_capacity"]:
-        raise HTTPError(501, f"model {reg.name!r} has no checkpoint capacity", "checkpoints_disabled", "X-Loom-Model")
+            raise Error(404, f"model {model!r} does not exist", "model_not_found", "X-Loom-Model")
+    if reg.kind not in (TEXT, SEQUENCE) or not reg.doc["checkpoint_capacity"]:
+        raise Error(501, f"model {reg.name!r} has no checkpoint capacity", "checkpoints_disabled", "X-Loom-Model")
     if reg.phase != "ready" or reg.prepared is None:
-        raise HTTPError(404, f"model {reg.name!r} is not prepared", "model_not_prepared", "X-Loom-Model")
+        raise Error(404, f"model {reg.name!r} is not prepared", "model_not_prepared", "X-Loom-Model")
     request.model = reg.name
     return reg
 
@@ -573,7 +546,7 @@ def _checkpoint_view(reg, cp, **extra):
                  "host_snapshot_bytes": cp.host_bytes}, **extra)
 
 
-class ControlJob(registry.Job):
+class ControlJob(kinds.Job):
     """Pin or suspend: waits for admission to reopen, and once accepted it completes
     even if the client leaves."""
 
@@ -592,7 +565,7 @@ class ControlJob(registry.Job):
         try:
             self.work(self)      # even if the client has gone: accepted work still happens
         except Refused as e:
-            self.finish(error=_refused(e))
+            self.finish(error=e)
 
     def cancelled(self):
         self.gone = True         # not withdrawn from the admission queue
@@ -602,10 +575,10 @@ def pin_checkpoint(server, request, name):
     reg = _retaining(server, request, name)
     session = _name_header(request, "X-Loom-Session")
     if session is None:
-        raise HTTPError(400, "X-Loom-Session names the completed session to pin", "missing_header", "X-Loom-Session")
+        raise Error(400, "X-Loom-Session names the completed session to pin", "missing_header", "X-Loom-Session")
 
     def pin(job):
-        cp = engine(server, reg).pin(name, session)
+        cp = reg.engine.pin(name, session)
         job.finish(Response.json(_checkpoint_view(reg, cp, session=session), status=201))
 
     return _control(server, reg, request, pin)
@@ -614,16 +587,16 @@ def pin_checkpoint(server, request, name):
 def suspend_checkpoint(server, request, name):
     reg = _retaining(server, request, name)
     if reg.doc["checkpoint_backing"] != "elastic":
-        raise HTTPError(400, f"model {reg.name!r} has fixed checkpoint backing; suspension needs elastic backing",
+        raise Error(400, f"model {reg.name!r} has fixed checkpoint backing; suspension needs elastic backing",
                         "fixed_backing", "X-Loom-Model")
 
     def suspend(job):
         def done(cp, error):
             if error is not None:
-                job.finish(error=_refused(error) if isinstance(error, Refused) else error)
+                job.finish(error=error)
             else:
                 job.finish(Response.json(_checkpoint_view(reg, cp)))
-        engine(server, reg).suspend(name, done)
+        reg.engine.suspend(name, done)
 
     return _control(server, reg, request, suspend)
 
@@ -637,10 +610,7 @@ def _control(server, reg, request, work):
 def delete_checkpoint(server, request, name):
     """Allowed while admission is drained: releasing a pin never waits for inference."""
     reg = _retaining(server, request, name)
-    try:
-        engine(server, reg).delete(name)
-    except Refused as e:
-        raise _refused(e) from None
+    reg.engine.delete(name)
     return Response.json({"object": "checkpoint", "model": reg.name, "checkpoint": name, "deleted": True})
 
 
@@ -648,7 +618,7 @@ def delete_checkpoint(server, request, name):
 
 
 HANDLE = re.compile(r"[0-9a-f]{32}")
-SEQUENCE = Obj({"model": Str(min_len=1), "session": Str(optional=True), "position": Int(lo=0, hi=2**31 - 1),
+SEQUENCE_BODY = Obj({"model": Str(min_len=1), "session": Str(optional=True), "position": Int(lo=0, hi=2**31 - 1),
                 "token_ids": Arr(Int(lo=0, hi=2**31 - 1), min_len=1, max_len=MAX_TOKENS),
                 "options": Obj(None, optional=True)})
 
@@ -657,60 +627,51 @@ def sequences(server, request):
     """Known token ids through a sequence deployment: SSE attached, chunk per execution
     cohort, done. A handle continues at its exact completed position."""
     if request.header("x-loom-session") is not None:
-        raise HTTPError(400, "X-Loom-Session is not accepted here: the session body field is the handle",
+        raise Error(400, "X-Loom-Session is not accepted here: the session body field is the handle",
                         "unsupported_header", "X-Loom-Session")
     checkpoint = _name_header(request, "X-Loom-Checkpoint")
-    body = request.json(SEQUENCE)
-    reg = server.registry.admit(body["model"], "sequence")
+    body = request.json(SEQUENCE_BODY)
+    reg = server.registry.admit(body["model"], SEQUENCE)
     request.model = reg.name
     declared = ((reg.prepared.policy or {}).get("sequence") or {}).get("options", [])
     unknown = sorted(set(body.get("options") or {}) - set(declared))
     if unknown:
-        raise HTTPError(400, f"options {', '.join(unknown)} are not declared by this model's source",
+        raise Error(400, f"options {', '.join(unknown)} are not declared by this model's source",
                         "unknown_field", f"options.{unknown[0]}")
     ids, position, handle = body["token_ids"], body["position"], body.get("session")
     vocab = reg.prepared.spec("V")      # a package's vocabulary size bounds the ids it can embed
     bad = next((i for i, t in enumerate(ids) if t >= vocab), None) if vocab is not None else None
     if bad is not None:
-        raise HTTPError(400, f"token id {ids[bad]} is outside the vocabulary (size {vocab})", "invalid_value",
+        raise Error(400, f"token id {ids[bad]} is outside the vocabulary (size {vocab})", "invalid_value",
                         f"token_ids[{bad}]")
     if handle is not None and not HANDLE.fullmatch(handle):
-        raise HTTPError(400, "session is a 32-hex handle issued by this endpoint", "invalid_value", "session")
+        raise Error(400, "session is a 32-hex handle issued by this endpoint", "invalid_value", "session")
     if handle is not None and checkpoint is not None:
-        raise HTTPError(400, "a fork from X-Loom-Checkpoint omits session: it receives a new handle",
+        raise Error(400, "a fork from X-Loom-Checkpoint omits session: it receives a new handle",
                         "invalid_value", "session")
     context = reg.doc["context_length"]
     if position + len(ids) > context:
-        raise HTTPError(400, f"position {position} plus {len(ids)} ids exceeds the context length {context}",
+        raise Error(400, f"position {position} plus {len(ids)} ids exceeds the context length {context}",
                         "context_length_exceeded", "token_ids")
-    eng = engine(server, reg)
+    eng = reg.engine
     if eng.pool.pages_for(position + len(ids)) > eng.pool.pages:
-        raise HTTPError(503, f"{position + len(ids)} positions exceed the KV pool", "kv_pool_exhausted", "token_ids")
+        raise Error(503, f"{position + len(ids)} positions exceed the KV pool", "kv_pool_exhausted", "token_ids")
     resume = cp = None
-    try:
-        if handle is not None:
-            try:
-                resume = eng.claim(handle, position)
-            except KeyError:
-                raise HTTPError(404, f"sequence {handle} does not exist (evicted, unregistered or invalidated)",
-                                "session_not_found", "session") from None
-            except ValueError as e:
-                raise HTTPError(409, str(e), "sequence_conflict", "position") from None
-            base = resume.tokens
-        elif checkpoint is not None:
-            cp = eng.borrow(checkpoint)
-            base = cp.tokens
-            if position != len(base):
-                eng.unborrow(cp)
-                raise HTTPError(409, f"position {position} is not checkpoint {checkpoint!r}'s consumed position "
-                                     f"{len(base)}", "stale_position", "position")
-        else:
-            base = []
-            if position != 0:
-                raise HTTPError(409, f"position {position} is stale: a new sequence starts at 0", "stale_position",
-                                "position")
-    except Refused as e:
-        raise _refused(e) from None
+    if handle is not None:
+        resume = eng.claim(handle, position)
+        base = resume.tokens
+    elif checkpoint is not None:
+        cp = eng.borrow(checkpoint)
+        base = cp.tokens
+        if position != len(base):
+            eng.unborrow(cp)
+            raise Error(409, f"position {position} is not checkpoint {checkpoint!r}'s consumed position "
+                             f"{len(base)}", "stale_position", "position")
+    else:
+        base = []
+        if position != 0:
+            raise Error(409, f"position {position} is stale: a new sequence starts at 0", "stale_position",
+                        "position")
     return _enter(server, reg, SequenceJob(server, reg, request, handle or secrets.token_hex(16), base, ids, resume, cp))
 
 
@@ -725,7 +686,7 @@ class SequenceJob(StreamingJob):
 
     def release(self):
         """Never submitted: the claimed handle returns unchanged, the checkpoint unborrowed."""
-        eng = engine(self.server, self.reg)
+        eng = self.engine
         if self.resume is not None:
             eng.unclaim(self.handle, self.resume)
             self.resume = None
@@ -739,7 +700,7 @@ class SequenceJob(StreamingJob):
                             on_start=self.on_start, ready=lambda: self.stream is None or self.stream.ready,
                             first_output=len(self.base))
         self.resume = self.checkpoint = None     # the engine owns them now
-        engine(self.server, self.reg).submit(self.seq)
+        self.engine.submit(self.seq)
 
     def on_start(self):
         if self.gone:
@@ -754,13 +715,103 @@ class SequenceJob(StreamingJob):
 
     def on_done(self, reason):
         if reason == "refused":
-            self.finish(error=HTTPError(503, "the KV pool cannot hold the checkpoint's pages right now",
+            self.finish(error=Error(503, "the KV pool cannot hold the checkpoint's pages right now",
                                         "checkpoint_restore_refused", "X-Loom-Checkpoint"))
         elif reason == "stop" and not self.gone:
             self.stream.send(sse_event({"session": self.handle, "position": len(self.seq.prompt)}, event="done"))
             self.stream.finish()
             self.finish()
         elif reason == "error" and not self.gone:
-            self.finish(error=HTTPError(500, f"sequence step failed: {self.seq.error}", "execution_failed"))
+            self.finish(error=Error(500, f"sequence step failed: {self.seq.error}", "execution_failed"))
         else:
             self.finish()
+
+
+# -- the kinds ------------------------------------------------------------------------
+
+
+class ChatEngine(TextEngine):
+    """A text deployment's engine, with what its endpoints keep beside the rows: the
+    chat policy (or why there is none) and the input_tokens counts queued or running."""
+
+    def __init__(self, reg, loop, **geometry):
+        super().__init__(reg.prepared, loop, **geometry)
+        prepared = reg.prepared
+        template = prepared.binding.metadata.get("tokenizer.chat_template")
+        try:
+            self.chat = ChatPolicy(prepared.policy, template, (reg.doc.get("options") or {}).get("chat"))
+        except ValueError as e:
+            self.chat = e       # a deployment without chat framing still tokenizes and pins
+        self.counting = 0
+
+
+class Text(kinds.Kind):
+    name = "text"
+    endpoint = "/v1/chat/completions"
+    routes = [
+        ("POST", "/v1/chat/completions", chat_completions),
+        ("POST", "/v1/chat/completions/input_tokens", input_tokens),
+        ("GET", "/v1/sessions", sessions),
+        ("POST", "/v1/checkpoints/{name}", pin_checkpoint),
+        ("DELETE", "/v1/checkpoints/{name}", delete_checkpoint),
+        ("POST", "/v1/checkpoints/{name}/suspend", suspend_checkpoint),
+        ("POST", "/tokenize", tokenize),
+        ("POST", "/detokenize", detokenize),
+    ]
+    inputs, outputs = ["text"], ["text"]
+    probes = [("advance", {"T": 1, "R": 1})]
+    stage = "advance"
+
+    def options(self, doc, options):
+        # The KV pool: every row can hold a full context.
+        options.setdefault("context_length", doc["context_length"])
+        page = options.setdefault("page_size", 16)
+        options.setdefault("pages", doc["rows"] * -(-options["context_length"] // page))
+        return options
+
+    def components(self, prepared):
+        return ("primary", "image") if prepared is not None and prepared.policy.get("image_input") else ("primary",)
+
+    def capability(self, reg):
+        p = reg.prepared
+        return {"context_length": reg.doc["context_length"],
+                "limits": {"max_output_tokens": reg.doc["max_output_tokens"]},
+                "retained": {k: reg.doc[k] for k in ("session_cache_capacity", "prefix_cache_capacity",
+                                                     "checkpoint_capacity", "checkpoint_backing")},
+                "input_tokens": bool(p is not None and p.tokenizer is not None and p.policy.get("chats"))}
+
+    def geometry(self, reg):
+        options, doc = reg.prepared.binding.options, reg.doc
+        return dict(rows=doc["rows"], pages=options["pages"], page_size=options["page_size"],
+                    session_capacity=doc["session_cache_capacity"], prefix_capacity=doc["prefix_cache_capacity"],
+                    checkpoint_capacity=doc["checkpoint_capacity"], elastic=doc["checkpoint_backing"] == "elastic",
+                    stage=self.stage)
+
+    def start(self, reg, loop):
+        return ChatEngine(reg, loop, **self.geometry(reg))
+
+
+class KnownTokens(Text):
+    name = "sequence"
+    endpoint = "/v1/sequences"
+    routes = [("POST", "/v1/sequences", sequences)]
+    inputs, outputs = ["tokens"], ["tensor"]
+    probes = [("encode", {"T": 1})]
+    stage = "encode"
+
+    def components(self, prepared):
+        return ("primary",)
+
+    def capability(self, reg):
+        loom = super().capability(reg)
+        del loom["input_tokens"]
+        if reg.prepared is not None:
+            loom["sequence_bytes_per_token"] = reg.prepared.spec("SEQUENCE_BYTES")
+        return loom
+
+    def start(self, reg, loop):
+        return TextEngine(reg.prepared, loop, **self.geometry(reg))
+
+
+TEXT = Text()
+SEQUENCE = KnownTokens()

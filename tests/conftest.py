@@ -242,20 +242,18 @@ class ThreadServer(Endpoint):
 
 @pytest.fixture
 def thread_server(tmp_path):
-    """Factory: thread_server(extra_routes, **config) runs a Server in a thread."""
-    from loom import routes
+    """Factory: thread_server(extra_routes, kinds=None, **config) runs a Server in a thread."""
     from loom.server import Config, Server
 
     started = []
 
-    def start(extra_routes=(), **config):
+    def start(extra_routes=(), kinds=None, **config):
         unix_path = str(tmp_path / f"t{len(started)}.sock")
-        table = routes.Table(routes.ROUTES + list(extra_routes))
         if "models" not in config:
             (tmp_path / "empty-catalog.json").write_text("[]")
             config["models"] = str(tmp_path / "empty-catalog.json")
         cfg = Config(listen=["tcp:127.0.0.1:0", f"unix:{unix_path}"], **config)
-        server = Server(cfg, dispatch=lambda s, r: routes.dispatch(s, r, table))
+        server = Server(cfg, kinds=kinds, extra_routes=extra_routes)
         server.start()
         ts = ThreadServer(server, unix_path)
         started.append(ts)

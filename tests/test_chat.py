@@ -6,8 +6,8 @@ import pytest
 
 from conftest import ROOT
 from loom import language
-from loom.chat import ChatPolicy, ToolCallError
-from loom.http import HTTPError
+from loom.chat import ChatError, ChatPolicy, ToolCallError
+from loom.errors import Error
 
 POLICY = language.load(os.path.join(ROOT, "models", "llama", "llama.loom")).policy
 
@@ -47,10 +47,10 @@ def test_llama3_framing_and_detection():
     text = detected.render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    with pytest.raises(HTTPError) as info:
+    with pytest.raises(ChatError) as info:
         detected.render([{"role": "user", "content": "x"}], tools=[WEATHER])
-    assert info.value.status == 400 and info.value.param == "tools"
-    with pytest.raises(HTTPError):
+    assert Error.of(info.value).status == 400 and info.value.param == "tools"
+    with pytest.raises(ChatError):
         detected.render([{"role": "user", "content": "x"}], enable_thinking=True)
     assert ChatPolicy(POLICY).name == "chatml"  # no template to detect from: the first format
 

@@ -11,7 +11,7 @@ import loom
 from loom.compiler import LIBRARY, LOG_CHARS, BuildFailure, Compiler, Executable
 from loom.device import Device
 from loom.metrics import Registry
-from loom.server import Loop
+from loom.loop import Loop
 
 WRITE = "__kernel void k(__global int *out) { out[0] = VALUE; }\n"
 

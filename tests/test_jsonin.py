@@ -722,7 +722,7 @@ def test_error_type():
     err = JSONInputError("m")
     assert isinstance(err, ValueError) and (err.message, err.param, err.code) == ("m", None, "invalid_json")
     assert str(err) == "m"
-    err = JSONInputError("m", "p", "c")
+    err = JSONInputError("m", "c", "p")     # errors.Problem's one order: message, code, param
     assert (err.param, err.code) == ("p", "c")
 
 

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from loom._native import multipart, pymultipart
-from loom.http import HTTPError
-from loom.packages import MAX_COMPONENT_BYTES, MAX_DEPTH, MAX_FILES, MAX_NAME_BYTES, Package, check_filename, from_form
+from loom.errors import Error
+from loom.packages import (MAX_COMPONENT_BYTES, MAX_DEPTH, MAX_FILES, MAX_NAME_BYTES, Package, PackageError,
+                           check_filename, from_form)
 
 FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 Part = multipart.Part
@@ -24,10 +25,11 @@ def fpart(name, filename, data=b""):
 
 
 def rejects(status, code, fn, *args, **kwargs):
-    with pytest.raises(HTTPError) as info:
+    with pytest.raises(PackageError) as info:
         fn(*args, **kwargs)
-    assert (info.value.status, info.value.code) == (status, code), info.value.message
-    return info.value
+    error = Error.of(info.value)          # the status the service boundary gives it
+    assert (error.status, error.code) == (status, code), error.message
+    return error
 
 
 def pkg(*names, request="request.json"):
@@ -358,7 +360,8 @@ def _inside_root_and_normal(name):
 def test_property_accepted_filenames_are_normal_and_inside_root(name):
     try:
         accepted = check_filename(name)
-    except HTTPError as e:
+    except PackageError as p:
+        e = Error.of(p)   # the status the service boundary gives it
         assert (e.status, e.code) == (400, "invalid_filename")
         return
     assert accepted == name
@@ -400,7 +403,8 @@ def test_property_relative_refs_stay_inside_the_package(case):
         names_dir = ref.split("/")[-1] in ("", ".", "..")
         try:
             kind, path = package.resolve(ref)
-        except HTTPError as e:
+        except PackageError as p:
+            e = Error.of(p)   # the status the service boundary gives it
             if e.status == 400:
                 assert e.code == "invalid_path" and (escapes or names_dir)
             else:
@@ -422,7 +426,8 @@ def test_property_arbitrary_refs_never_escape(case, ref):
     package, _ = case
     try:
         kind, path = package.resolve(ref)
-    except HTTPError as e:
+    except PackageError as p:
+        e = Error.of(p)   # the status the service boundary gives it
         assert (e.status, e.code) in ((400, "invalid_path"), (422, "missing_member"))
         return
     if ref.startswith("/"):

@@ -69,7 +69,7 @@ def test_register_serve_and_unregister_back_to_baseline(server):
     wait_phase(server, "m", "ready")
     assert [m["id"] for m in json.loads(server.request("GET", "/v1/models")[2])["data"]] == ["m"]
     status, body = call(server, "/v1/embeddings", {"model": "m", "input": [[4, 5, 6]]})
-    assert status == 200
+    assert status == 200, body
     np.testing.assert_allclose(body["data"][0]["embedding"], reference(*server.expected, [[4, 5, 6]])[0],
                                atol=2e-5, rtol=1e-4)
     assert call(server, "/v1/models/register", server.doc)[0] == 409

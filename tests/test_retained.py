@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from loom.kvcache import History
+from loom.errors import Error
 from loom.scheduler import Refused, Sequence, TextEngine
-from loom.server import Loop
+from loom.loop import Loop
 from test_llama import device, greedy_reference, prepared_model  # noqa: F401  (device: a fixture)
 from test_scheduler import run_all, tick
 
@@ -110,30 +111,30 @@ def test_checkpoint_pin_fork_rewind_delete(model, loop):
     # Rules: duplicate name 409, busy session 409, absent 404, capacity 503, borrowed deletion 409.
     with pytest.raises(Refused) as e:
         engine.pin("tool-summary", "fork-1")
-    assert e.value.status == 409
+    assert e.value.code == "checkpoint_exists" and Error.of(e.value).status == 409
     with pytest.raises(Refused) as e:
         engine.pin("other", "nobody")
-    assert e.value.status == 404
+    assert e.value.code == "session_not_found" and Error.of(e.value).status == 404
     engine.pin("second", "fork-1")
     with pytest.raises(Refused) as e:
         engine.pin("third", "fork-2")
-    assert e.value.status == 503
+    assert e.value.code == "checkpoint_capacity" and Error.of(e.value).status == 503
     busy = Sequence(endpoint + [9], max_tokens=50, session="fork-2")
     engine.submit(busy)
     with pytest.raises(Refused) as e:
         engine.pin("third", "fork-2")                    # queued or running: busy before full
-    assert e.value.status == 409
+    assert e.value.code == "session_busy" and Error.of(e.value).status == 409
     engine.cancel(busy)
     while busy.finish_reason is None:
         tick(loop)
     borrowed = engine.borrow("tool-summary")
     with pytest.raises(Refused) as e:
         engine.delete("tool-summary")
-    assert e.value.status == 409
+    assert e.value.code == "checkpoint_borrowed" and Error.of(e.value).status == 409
     engine.unborrow(borrowed)
     with pytest.raises(Refused) as e:
         engine.borrow("missing")
-    assert e.value.status == 404
+    assert e.value.code == "checkpoint_not_found" and Error.of(e.value).status == 404
     engine.delete("tool-summary")
     engine.delete("second")
     assert not engine.checkpoints
@@ -152,7 +153,7 @@ def test_pinned_checkpoints_survive_trim_and_a_busy_session_cannot_be_pinned(mod
     engine.submit(long)
     with pytest.raises(Refused) as e:
         engine.pin("keep2", "t")
-    assert e.value.status == 409
+    assert e.value.code == "session_busy" and Error.of(e.value).status == 409
     engine.cancel(long)
     while long.finish_reason is None:
         tick(loop)
@@ -199,7 +200,7 @@ def test_fixed_backing_refuses_suspension(model, loop):
     engine.pin("p", "s")
     with pytest.raises(Refused) as e:
         engine.suspend("p", lambda *a: None)
-    assert e.value.status == 400
+    assert e.value.code == "fixed_backing" and Error.of(e.value).status == 400
     engine.delete("p")
     engine.release_idle()
     assert engine.pool.available == PAGES
@@ -255,10 +256,12 @@ def test_sequence_engine_appends_exactly_and_a_slow_reader_sits_out(model, loop)
     engine.submit(tail)
     run_all(engine, loop, [tail])
     assert tail.cached == 40 and [p for p, _ in more] == [40]
-    with pytest.raises(ValueError):
+    with pytest.raises(Refused) as e:
         engine.claim("h1", 40)                            # stale: it has completed 45 now
-    with pytest.raises(KeyError):
+    assert e.value.code == "sequence_conflict" and Error.of(e.value).status == 409
+    with pytest.raises(Refused) as e:
         engine.claim("nobody", 0)
+    assert e.value.code == "session_not_found" and Error.of(e.value).status == 404
     # One-shot of all 45 gives the same per-token bytes (within f16 rounding of other layouts).
     once = []
     alone = Sequence(list(range(1, 46)), session="h2", on_chunk=lambda p, ids, d: once.append(d))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loom.scheduler import Sequence, TextEngine
-from loom.server import Loop
+from loom.loop import Loop
 from test_llama import V, device, greedy_reference, prepared_model  # noqa: F401  (device: a fixture)
 
 PAGE, PAGES, CTX = 16, 48, 512
@@ -59,13 +59,13 @@ def test_long_prompt_never_stalls_decoding_rows(model):
     engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE, chunk=16, token_budget=64)
     short = Sequence([1, 2, 3], max_tokens=12)
     cohorts = []
-    original = engine._run
+    original = engine.launch
 
-    def spy(work):
+    def spy(work, done):
         cohorts.append([(row, len(ids)) for row, ids in work])
-        original(work)
+        original(work, done)
 
-    engine._run = spy
+    engine.launch = spy
     engine.submit(short)
     tick(loop)
     long = Sequence(list(range(1, 90)), max_tokens=2)

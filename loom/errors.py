@@ -1,0 +1,74 @@
+"""The one error type, and the one table that gives lower layers' errors a status.
+
+Every error body is {"error": {"message", "type", "param", "code"}} (DESIGN.md
+"Errors"). Two classes carry it:
+
+- Problem(message, code, param): what a lower layer raises (jsonin, packages,
+  chat, scheduler, kvcache, runtime, device). It knows no HTTP: a stable code
+  says what went wrong, param which input was at fault.
+- Error(status, message, code, param, headers): a service handler's rejection,
+  with the status it decides. A Problem that reaches the service boundary
+  (server.handle, a job's finish) becomes an Error through `of`, its status
+  looked up in STATUS by its code. Nothing else maps errors to statuses.
+"""
+
+# The envelope's `type` follows the status family, as OpenAI clients expect.
+ERROR_TYPES = {
+    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    408: "timeout_error", 409: "conflict_error", 410: "gone_error", 411: "invalid_request_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
+    422: "unprocessable_entity_error", 429: "rate_limit_error", 431: "invalid_request_error",
+    500: "server_error", 501: "not_implemented_error", 503: "overloaded_error",
+    505: "invalid_request_error",
+}
+
+# Lower layers' codes -> status. A code missing here is a server bug: 500.
+STATUS = {
+    # jsonin: the request is not the JSON the endpoint takes
+    "invalid_json": 400, "duplicate_key": 400, "unknown_field": 400, "missing_field": 400,
+    "invalid_type": 400, "out_of_range": 400, "invalid_value": 400, "unsupported_value": 400,
+    # packages: uploaded source packages
+    "invalid_filename": 400, "invalid_path": 400, "too_many_files": 400, "duplicate_field": 400,
+    "duplicate_file": 400, "missing_filename": 400, "conflicting_file": 400, "missing_member": 422,
+    # scheduler and kvcache: retained state
+    "checkpoint_not_found": 404, "session_not_found": 404, "checkpoint_exists": 409, "session_busy": 409,
+    "checkpoint_borrowed": 409, "checkpoint_capacity": 503, "fixed_backing": 400, "sequence_conflict": 409,
+    # device
+    "device_memory": 503,
+}
+
+
+class Problem(Exception):
+    """A lower layer's error: a message, a stable code, the parameter at fault."""
+
+    code = "internal"
+
+    def __init__(self, message, code=None, param=None):
+        super().__init__(message)
+        self.message = message
+        self.code = code or type(self).code
+        self.param = param
+
+
+class Error(Problem):
+    """A rejection with its HTTP status: becomes the error envelope."""
+
+    def __init__(self, status, message, code=None, param=None, headers=()):
+        super().__init__(message, code, param)
+        self.status = status
+        self.headers = list(headers)
+
+    @classmethod
+    def of(cls, problem, what=None):
+        """The Error a raised exception answers with: itself, a Problem by its code,
+        anything else a 500 (prefixed with `what` failed)."""
+        if isinstance(problem, Error):
+            return problem
+        if isinstance(problem, Problem) and problem.code in STATUS:
+            return cls(STATUS[problem.code], problem.message, problem.code, problem.param)
+        message = getattr(problem, "message", None) or str(problem) or type(problem).__name__
+        return cls(500, f"{what} failed: {message}" if what else message, "execution_failed")
+
+    def envelope(self):
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}

@@ -1,0 +1,95 @@
+"""The seam between the generic server and each kind of deployment.
+
+A kind (text, sequence, embedding, decision, ...) is one Kind object that its
+service module exports. routes.KINDS lists them; registry.py iterates them and
+never branches on a kind's name. What a kind says about itself:
+
+    name                   the document's "kind"
+    endpoint, routes       the path /v1/models advertises; every (method, path, handler) it serves
+    inputs, outputs        its modalities, as /v1/models lists them
+    probes                 (command, geometry) pairs compiled before the model is ready,
+                           and again for every staged native variant
+    options(doc, options)  preparation options it derives from the document (the KV pool)
+    components(prepared)   its residency components ("primary", and e.g. "image")
+    capability(reg)        the fields it adds to the "loom" object of /v1/models
+    start(reg, loop)       the engine (a scheduler.CohortEngine) serving the prepared registration
+
+A request's life at a registration is a Job: the admission gate lets it start,
+its client may leave (cancelled), unregister may withdraw it (fail), and its
+device work ends (finish). Each service subclasses Job with its own work.
+"""
+
+from .errors import Error
+from .http import Deferred, Response
+
+
+class Kind:
+    name = None
+    endpoint = None
+    routes = ()
+    inputs, outputs = (), ()
+    probes = ()
+
+    def options(self, doc, options):
+        return options
+
+    def components(self, prepared):
+        return ("primary",)
+
+    def capability(self, reg):
+        return {}
+
+    def start(self, reg, loop):
+        raise NotImplementedError
+
+
+class Job:
+    what = "request"
+    resident = True     # start() needs the parameters on the device
+
+    def __init__(self, server, reg, request):
+        self.server, self.reg, self.request = server, reg, request
+        self.deferred = Deferred()
+        self.deferred.on_cancel = self.cancelled
+        self.gone = False        # the client left, or the response was already settled
+        self.acquired = False
+        self.finished = False
+        request.state = "queued"
+
+    @property
+    def engine(self):
+        return self.reg.engine
+
+    def start(self, error):
+        """The gate let the job through and the parameters are resident (or error)."""
+        self.acquired = error is None and self.resident
+        if error is not None or self.gone:
+            self.finish(error=error)
+            return
+        self.request.state = "running"
+        self.run()
+
+    def run(self):
+        raise NotImplementedError
+
+    def cancelled(self):
+        """The client disconnected: leave the queue; accepted device work retires for its peers."""
+        self.gone = True
+        self.server.registry.withdraw(self.reg, self)
+
+    def fail(self, error):
+        """Withdrawn (unregister): answer now; accepted device work still retires."""
+        if not self.gone:
+            self.gone = True
+            self.deferred.resolve(Response.error(error))
+
+    def finish(self, response=None, error=None):
+        if self.finished:
+            return    # several endings can race (a failure, then the retiring step): one counts
+        self.finished = True
+        self.server.registry.leave(self.reg, self, self.acquired)
+        self.acquired = False
+        if error is not None:
+            response = Response.error(Error.of(error, self.what))
+        if not self.gone and response is not None:
+            self.deferred.resolve(response)
