@@ -45,6 +45,7 @@ run: install
 	$(PY) -m loom $(ARGS)
 
 test: install
+	$(VENV)/bin/lint-imports --no-cache --config .importlinter
 	$(PY) -m pytest -q
 
 bench: install

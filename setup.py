@@ -39,6 +39,7 @@ setup(
             "gguf>=0.10",
             "safetensors>=0.4",
             "tokenizers>=0.15",
+            "import-linter>=2.0",
         ],
     },
     package_data={"loom": ["py.typed"]},

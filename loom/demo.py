@@ -8,15 +8,13 @@ cache folder on first start.
 """
 
 import importlib.util
-import json
 import logging
 import os
-
-import numpy as np
-
-log = logging.getLogger("loom.demo")
+import shutil
 
 from . import resource
+
+log = logging.getLogger("loom.demo")
 
 MODELS = resource("models")
 
@@ -30,67 +28,28 @@ def minilm_dir():
 
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "loom", "demo")
-SCOUT = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def _maker(package):
+    """A package folder's checkpoint maker (models/NAME/make_checkpoint.py), as a module."""
+    path = os.path.join(MODELS, package, "make_checkpoint.py")
+    spec = importlib.util.spec_from_file_location(f"loom_make_{package}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def scout_dir():
-    """A tiny Qwen2-shaped model with random weights and a byte-level tokenizer,
-    generated deterministically on first start: it serves the text API's
-    shapes (framing, streaming, tools, limits), not meaningful answers."""
+    """The `scout` checkpoint (models/llama/make_checkpoint.py), generated into the
+    cache on first start."""
     folder = os.path.join(CACHE, "scout-v2")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
-    from .tokenizer import _bytes_to_unicode
-    from .weights import write_safetensors
     tmp = folder + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    chars = _bytes_to_unicode()
-    vocab = {c: i for i, c in enumerate(chars)}
-    added = [{"id": 256 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, t in enumerate(SPECIALS)]
-    with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-        json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-                   "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                                     "use_regex": True},
-                   "post_processor": None,
-                   "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-                   "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                             "vocab": vocab, "merges": []}}, f)
-    s, v = SCOUT, 256 + len(SPECIALS)
-    d, dh = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
-    rng = np.random.default_rng(2026)
-
-    def m(rows, cols):
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    # An untied head whose printable-ASCII rows dominate: random weights then babble
-    # readable characters instead of stray bytes that decode to U+FFFD.
-    head = m(v, d) * 0.05
-    head[32:127] *= 60.0
-    tensors = {"model.embed_tokens.weight": m(v, d), "model.norm.weight": np.ones(d, np.float32),
-               "lm_head.weight": head}
-    for i in range(s["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": np.ones(d, np.float32),
-            p + "self_attn.q_proj.weight": m(s["num_attention_heads"] * dh, d),
-            p + "self_attn.k_proj.weight": m(s["num_key_value_heads"] * dh, d),
-            p + "self_attn.v_proj.weight": m(s["num_key_value_heads"] * dh, d),
-            p + "self_attn.o_proj.weight": m(d, s["num_attention_heads"] * dh),
-            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-            p + "mlp.gate_proj.weight": m(s["intermediate_size"], d),
-            p + "mlp.up_proj.weight": m(s["intermediate_size"], d),
-            p + "mlp.down_proj.weight": m(d, s["intermediate_size"])})
-    write_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(dict(s, model_type="qwen2", vocab_size=v, tie_word_embeddings=False), f)
+    _maker("llama").make(tmp)
     try:
         os.rename(tmp, folder)   # atomic: a concurrent first start finds a whole folder or none
     except OSError:
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
 

@@ -24,3 +24,18 @@ def test_only_device_and_compiler_import_pyopencl():
                  for name in sorted(os.listdir(PACKAGE)) if name.endswith(".py") and name not in OPENCL_OWNERS}
     assert {name: found for name, found in offenders.items() if found} == {}
     assert any(m == "pyopencl" for m in imports(os.path.join(PACKAGE, "device.py")))   # the check can see one
+
+
+def string_constants(path):
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_the_generic_floors_never_name_a_kind():
+    """registry.py, admin.py, routes.py and server.py learn everything about a kind from its
+    Kind object (kinds.py): not one kind name appears in them."""
+    from loom import language
+    for name in ("registry.py", "admin.py", "routes.py", "server.py", "kinds.py"):
+        named = string_constants(os.path.join(PACKAGE, name)) & set(language.KINDS)
+        assert named == set(), f"{name} names kinds {sorted(named)}"
+    assert "queued" in string_constants(os.path.join(PACKAGE, "kinds.py"))   # the check can see a literal
