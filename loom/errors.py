@@ -33,6 +33,7 @@ STATUS = {
     # scheduler and kvcache: retained state
     "checkpoint_not_found": 404, "session_not_found": 404, "checkpoint_exists": 409, "session_busy": 409,
     "checkpoint_borrowed": 409, "checkpoint_capacity": 503, "fixed_backing": 400, "sequence_conflict": 409,
+    "control_queue_full": 503,
     # device
     "device_memory": 503,
 }

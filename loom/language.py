@@ -936,6 +936,11 @@ def main(argv=None):
     k.add_argument("source", nargs="+")
     sub.add_parser("format", help="print a module as canonical .loom text").add_argument("source")
     sub.add_parser("disassemble", help="print a module's sections and code").add_argument("source")
+    p = sub.add_parser("split", help="split a module into a config part (specs, params, states, policy) and a "
+                                     "program part (kernels, commands): the two parts of a native variant")
+    p.add_argument("source")
+    p.add_argument("--config", required=True, help="the .loom file for specs, params, states and policy")
+    p.add_argument("--program", required=True, help="the .loom file for kernels and commands")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "check":
@@ -949,6 +954,12 @@ def main(argv=None):
     if args.cmd == "compile":
         with open(args.output, "wb") as f:
             f.write(bytecode.write(module))
+    elif args.cmd == "split":
+        config = Module(module.name, module.kind, module.specs, module.params, module.states, policy=module.policy)
+        program = Module(module.name, None, kernels=module.kernels, commands=module.commands)
+        for path, part in ((args.config, config), (args.program, program)):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(format_module(part))
     elif args.cmd == "check":
         print(f"{args.source}: ok ({len(module.specs)} specs, {len(module.params)} params, "
               f"{len(module.states)} states, {len(module.kernels)} kernels, {len(module.commands)} commands)")

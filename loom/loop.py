@@ -57,6 +57,8 @@ class Loop:
         self.executor_pending += 1
 
         def finished(future):
+            if future.cancelled():
+                return      # the loop is closing (shutdown cancels queued work): nobody waits for it
             error = future.exception()
             self.call_soon_threadsafe(self._complete, done, None if error else future.result(), error)
 

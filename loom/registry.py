@@ -103,6 +103,7 @@ class Registration:
         self.removing = None        # "drain" | "abort" once unregistered
         self.deactivate_when_idle = False
         self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
+        self.staging = 0            # staged variants still compiling: they hold the compiler's model ownership
         self.package = None         # an uploaded source package, retained until the model retires
         self.loaded = []            # its members this registration's sources name: (path, bytes)
 
@@ -519,6 +520,11 @@ class Registry:
             return
         self._start(reg, job)
 
+    def enter_ungated(self, reg, job):
+        """Start now, past a drained gate (control work that never waits for inference);
+        the registration still counts the job until it finishes."""
+        self._start(reg, job)
+
     def _start(self, reg, job):
         reg.jobs.add(job)
         if job.resident:
@@ -531,7 +537,17 @@ class Registry:
         reg.jobs.discard(job)
         if acquired:
             self.release_use(reg)
-        if reg.removing and not reg.jobs:
+        self._retire_if_idle(reg)
+
+    def staged(self, reg, delta):
+        """A variant's compilation started (+1) or settled (-1). An unregistered model
+        goes only once its staged compilations have actually finished."""
+        reg.staging += delta
+        self._retire_if_idle(reg)
+
+    def _retire_if_idle(self, reg):
+        if (reg.removing and not reg.jobs and not reg.staging and self.preparing is not reg
+                and self.registrations.get(reg.name) is reg):
             self._remove(reg)
 
     def withdraw(self, reg, job):
@@ -575,8 +591,7 @@ class Registry:
         if reg in self.to_prepare:
             self.to_prepare.remove(reg)
         log.info("unregistering %s (%s)", reg.name, mode, extra={"event": "unregistering", "model": reg.name})
-        if not reg.jobs and self.preparing is not reg:
-            self._remove(reg)
+        self._retire_if_idle(reg)
 
     def _remove(self, reg):
         if self.registrations.get(reg.name) is reg:

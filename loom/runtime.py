@@ -79,7 +79,19 @@ class Variant:
         self.error = None             # {"code", "message"} when failed
         self.diagnostics = []         # build evidence per kernel specialization
         self.created = time.time()
-        self.users = 0                # explicit consumer references (the selection holds one)
+        self.users = 0                # consumer references: the selection, and each step in flight on it
+        self.executables = []         # its staged builds, pinned in the compiler cache until it goes
+
+    def pin(self, compiler, results):
+        for result in results:
+            if result.ok:
+                compiler.pin(result)
+                self.executables.append(result)
+
+    def unpin(self, compiler):
+        for executable in self.executables:
+            compiler.unpin(executable)
+        self.executables = []
 
     def record(self, detail=False):
         out = {"object": "variant", "id": self.id, "base": self.base, "phase": self.phase, "users": self.users,
@@ -110,6 +122,7 @@ class Prepared:
         self.pending = {}             # plan key -> [done callbacks] while compiling
         self.variants = {}            # id -> Variant, in creation order
         self.selected = None          # the preferred variant's id
+        self.selecting = None         # a selection waiting for the safe execution boundary
         self.tokenizer = None         # from the checkpoint, when it carries one
 
     @property
@@ -217,7 +230,9 @@ class Prepared:
                 raise
 
     def release(self):
-        """Free everything this deployment holds on the device."""
+        """Free everything this deployment holds on the device, and its variants' pins."""
+        for variant in self.variants.values():
+            variant.unpin(self.compiler)
         self.evict()
         for buf in set(self.states.values()):
             buf.release()

@@ -45,6 +45,9 @@ from .kvcache import Checkpoint, History, OutOfPages, PagedState, PagePool, RowP
 log = logging.getLogger("loom.scheduler")
 
 
+CONTROL_QUEUE = 32      # checkpoint controls waiting for a deployment's control slot
+
+
 class Refused(Problem):
     """A retained-state control the engine cannot do; its code says why (errors.STATUS)."""
 
@@ -89,6 +92,8 @@ class CohortEngine:
     def __init__(self, prepared, loop):
         self.prepared, self.loop = prepared, loop
         self.busy = False
+        self.running = None      # the native variant the step in flight runs (a consumer of it)
+        self.boundary = []       # callbacks waiting for no step to be in flight
         self.steps = 0           # cohorts run
         self.requests = 0        # requests that took part in them (a text row counts once per step)
 
@@ -97,18 +102,37 @@ class CohortEngine:
             self.busy = True
             self.loop.call_soon(self._tick)    # same-tick arrivals join this cohort
 
+    def at_boundary(self, fn):
+        """fn() once no step is in flight: now, or as soon as the running step has
+        retired and before the next one forms (a variant switch happens here)."""
+        if self.running is None:
+            fn()
+        else:
+            self.boundary.append(fn)
+
     def _tick(self):
         cohort = self.form()
         if cohort is None:
             self.busy = False
             return
         self.steps += 1
+        # A step's plan is made from the variant selected now; it counts as that
+        # variant's consumer until it retires, so the variant cannot be removed under it.
+        self.running = self.prepared.variants.get(self.prepared.selected) or True
+        if self.running is not True:
+            self.running.users += 1
         self.launch(cohort, lambda values, error: self._retired(cohort, values, error))
 
     def _retired(self, cohort, values, error):
         try:
             self.apply(cohort, values, error)
         finally:
+            if self.running is not True:
+                self.running.users -= 1
+            self.running = None
+            waiting, self.boundary = self.boundary, []
+            for fn in waiting:
+                self.loop.call_soon(fn)     # queued ahead of the next step's forming
             self.busy = False
             self.kick()
 
@@ -205,6 +229,8 @@ class TextEngine(CohortEngine):
         self.checkpoints = {}
         self.checkpoint_capacity = checkpoint_capacity
         self.claimed = set()                 # sequence handles taken by an append not yet finished
+        self.control_waiting = collections.deque()   # checkpoint controls waiting for the slot
+        self.control_busy = False
         self.elastic = elastic               # checkpoints may be suspended into host memory
         self.waiting = collections.deque()
         self.chunk = chunk
@@ -259,6 +285,35 @@ class TextEngine(CohortEngine):
 
     def retained(self):
         return self.stats()
+
+    def take_control(self, fn):
+        """The deployment's one retained-state control slot: pin, suspend and delete run
+        one at a time, in arrival order. fn(release) runs when the slot is free and calls
+        release() when its control is done. Refused (control_queue_full) past
+        CONTROL_QUEUE waiting controls."""
+        if len(self.control_waiting) >= CONTROL_QUEUE:
+            raise Refused(f"{CONTROL_QUEUE} checkpoint controls are already waiting", "control_queue_full")
+        self.control_waiting.append(fn)
+        self._next_control()
+
+    def _next_control(self):
+        if self.control_busy or not self.control_waiting:
+            return
+        fn = self.control_waiting.popleft()
+        self.control_busy = True
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                self.control_busy = False
+                self.loop.call_soon(self._next_control)
+
+        try:
+            fn(release)
+        except BaseException:
+            release()
+            raise
 
     def wake(self):
         """A consumer that was not ready is ready again (its output drained)."""

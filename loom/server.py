@@ -206,6 +206,17 @@ class Connection:
     def on_eof(self):
         if self.stream is not None or self.deferred is not None:
             self.abort("disconnect")  # a streaming or waiting client left: tell the producer now
+        elif self.request is None and self.parser.state != "idle":
+            # Half-closed mid-request (a body shorter than Content-Length, a chunked body
+            # cut mid-chunk, a head without its blank line): it still gets its 400.
+            where = self.parser.state
+            self.server.framing_errors.inc(code="incomplete_request")
+            request = Request(self.server.next_request_id(), "-", "-", 11, [], b"", False, self.transport)
+            self.server.finished(request, 400, "rejected", route="(framing)")
+            response = Response.error(Error(400, f"the connection was closed mid-request (in its {where}): "
+                                                 "the request is incomplete", "incomplete_request"))
+            self.closing = True
+            self.write(response.head_bytes(False, length=len(response.body)) + response.body)
         elif self.out:
             self.closing = True       # a half-closed client still gets what it asked for
             self.set_events(selectors.EVENT_WRITE)

@@ -19,14 +19,15 @@ status.
 """
 
 import base64
+import collections
 import re
 import secrets
 import time
 
 from . import kinds, registry
 from .chat import ChatPolicy, ToolCallError
-from .errors import Error
-from .http import Deferred, Response, Stream, page, sse_event
+from .errors import Error, Problem
+from .http import Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
 from .scheduler import Refused, Sequence, TextEngine
 
@@ -35,7 +36,7 @@ MAX_TEXT_BYTES = 1 << 20
 
 TOKENIZE = Obj({"model": Str(min_len=1), "content": Str(), "add_special": Bool(optional=True),
                 "parse_special": Bool(optional=True), "with_pieces": Bool(optional=True)})
-DETOKENIZE = Obj({"model": Str(min_len=1), "tokens": Arr(Int(lo=0, hi=2**31 - 1), max_len=MAX_TOKENS + 1)})
+DETOKENIZE = Obj({"model": Str(min_len=1), "tokens": Arr(Int(lo=0, hi=2**31 - 1))})   # length: 413 below
 
 
 def _tokenizer(server, name):
@@ -45,27 +46,35 @@ def _tokenizer(server, name):
     tokenizer = reg.prepared.tokenizer if reg.prepared is not None else None
     if tokenizer is None:
         raise Error(404, f"model {name!r} has no loaded tokenizer", "tokenizer_not_found", "model")
-    if reg.admission != "open":
-        raise Error(503, f"model {name!r} is drained", "model_drained", "model")
     return reg, tokenizer
 
 
-def _run(server, reg, request, fn, respond):
-    """fn on a worker. It closes over the tokenizer, so the borrow lasts until the
-    work is done even if the model is unregistered meanwhile."""
-    deferred = Deferred()
+class TokenizerJob(kinds.Job):
+    """/tokenize or /detokenize: CPU work behind the model's admission gate (a drained
+    model queues it, bounded by pending_capacity). It counts among the registration's
+    jobs until the work is done: the tokenizer borrow outlasts an unregister."""
 
-    def done(result, error):
-        if isinstance(error, Error):
-            deferred.resolve(Response.error(error))
-        elif error is not None:
-            deferred.resolve(Response.error(Error(500, f"tokenizer failed: {error}", "tokenizer_failed")))
-        else:
-            deferred.resolve(respond(result))
+    what = "tokenizer"
+    resident = False
 
+    def __init__(self, server, reg, request, work, respond):
+        super().__init__(server, reg, request)
+        self.work, self.respond = work, respond
+
+    def run(self):
+        self.server.loop.run_in_executor(self.work, self.done)
+
+    def done(self, result, error):
+        if error is not None and not isinstance(error, Error):
+            error = Error(500, f"tokenizer failed: {error}", "tokenizer_failed")
+        self.finish(None if error is not None else self.respond(result), error)
+
+
+def _run(server, reg, request, work, respond):
     request.model = reg.name
-    server.loop.run_in_executor(fn, done)
-    return deferred
+    job = TokenizerJob(server, reg, request, work, respond)
+    server.registry.enter(reg, job)
+    return job.deferred
 
 
 def tokenize(server, request):
@@ -193,7 +202,13 @@ def _validated(server, request):
     if unknown:
         raise Error(400, f"model_options {', '.join(unknown)} not understood by this model's policy",
                         "unknown_field", f"model_options.{unknown[0]}")
-    prompt = policy.render(body["messages"], body.get("tools"), body.get("enable_thinking"))
+    messages, tools, thinking = body["messages"], body.get("tools"), body.get("enable_thinking")
+    tok = reg.prepared.tokenizer
+
+    def prompt():
+        """On the CPU executor, as the model's one policy borrower: framing, then tokens."""
+        return tok.encode(policy.render(messages, tools, thinking), add_special=False)
+
     return body, reg, policy, prompt
 
 
@@ -214,7 +229,11 @@ def chat_completions(server, request):
     stream = bool(body.get("stream"))
     choice = body.get("tool_choice", "auto")
     temperature, top_p, top_k = _sampling(policy, body)
-    limit = body.get("max_completion_tokens") or body.get("max_tokens") or reg.doc["max_output_tokens"]
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = body.get(field) or reg.doc["max_output_tokens"]
+    if limit > reg.doc["max_output_tokens"]:
+        raise Error(400, f"{field} {limit} is over this deployment's limit of {reg.doc['max_output_tokens']} "
+                         "(limits.max_output_tokens in /v1/models)", "out_of_range", field)
     cp = reg.engine.borrow(checkpoint) if checkpoint is not None else None   # an unknown name is 404 at once
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
@@ -259,16 +278,16 @@ class CountJob(kinds.Job):
 
     def __init__(self, server, reg, request, prompt):
         super().__init__(server, reg, request)
-        self.prompt = prompt
+        self.prompt = prompt        # -> token ids, run as the model's policy borrower
 
     def run(self):
-        tok = self.reg.prepared.tokenizer
-        self.server.loop.run_in_executor(lambda: tok.encode(self.prompt, add_special=False), self.counted)
+        self.engine.borrow_policy(self.prompt, self.counted)
 
     def counted(self, ids, error):
         context = self.reg.doc["context_length"]
-        if error is not None:
-            self.finish(error=Error(500, f"tokenizer failed: {error}", "tokenizer_failed"))
+        if error is not None:     # a framing refusal (ChatError) keeps its status; else the tokenizer broke
+            self.finish(error=error if isinstance(error, Problem) else
+                        Error(500, f"tokenizer failed: {error}", "tokenizer_failed"))
         elif len(ids) > context:
             self.finish(error=Error(400, f"the input has {len(ids)} tokens, over the context length {context}",
                                         "context_length_exceeded", "messages"))
@@ -354,7 +373,7 @@ class ChatJob(StreamingJob):
         super().__init__(server, reg, request)
         self.session = session
         self.checkpoint = checkpoint      # borrowed: released when the engine takes it, or on failure
-        self.policy, self.prompt_text, self.limit, self.sampling = policy, prompt, limit, sampling
+        self.policy, self.prompt, self.limit, self.sampling = policy, prompt, limit, sampling
         self.include_usage = include_usage
         self.parser = policy.parser(thinking, tools_allowed)
         self.id = f"chatcmpl-{request.id}"
@@ -368,8 +387,7 @@ class ChatJob(StreamingJob):
             self.checkpoint = None
 
     def run(self):
-        tok = self.reg.prepared.tokenizer
-        self.server.loop.run_in_executor(lambda: tok.encode(self.prompt_text, add_special=False), self.tokenized)
+        self.engine.borrow_policy(self.prompt, self.tokenized)
 
     def tokenized(self, ids, error):
         if error is not None or self.gone:
@@ -458,7 +476,8 @@ class ChatJob(StreamingJob):
         if self.stream:
             if calls:
                 self.send({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
-            self.send({}, finish)
+            self.send({"reasoning_content": None} if self.parser.reasoning_markers and not self.reasoning else {},
+                      finish)
             if self.include_usage:
                 self.stream.send(sse_event({"id": self.id, "object": "chat.completion.chunk",
                                             "created": self.created, "model": self.reg.name, "choices": [],
@@ -468,8 +487,8 @@ class ChatJob(StreamingJob):
             self.finish()
             return
         message = {"role": "assistant", "content": "".join(self.content)}
-        if self.reasoning:
-            message["reasoning_content"] = "".join(self.reasoning)
+        if self.parser.reasoning_markers:   # reasoning-aware with thinking on: the key is always there
+            message["reasoning_content"] = "".join(self.reasoning) or None
         if calls:
             message["tool_calls"] = calls
         self.finish(Response.json({"id": self.id, "object": "chat.completion", "created": self.created,
@@ -547,8 +566,9 @@ def _checkpoint_view(reg, cp, **extra):
 
 
 class ControlJob(kinds.Job):
-    """Pin or suspend: waits for admission to reopen, and once accepted it completes
-    even if the client leaves."""
+    """Pin, suspend or delete, through the deployment's one control slot. Pin and suspend
+    wait for admission to reopen (delete does not: releasing a pin never waits for
+    inference); once accepted, a control completes even if the client leaves."""
 
     what = "checkpoint control"
     resident = False
@@ -556,16 +576,29 @@ class ControlJob(kinds.Job):
     def __init__(self, server, reg, request, work):
         super().__init__(server, reg, request)
         self.work = work
+        self.release = None
 
     def start(self, error):
         if error is not None:
             self.finish(error=error)
             return
+        try:
+            self.engine.take_control(self.controlled)
+        except Refused as e:
+            self.finish(error=e)
+
+    def controlled(self, release):
+        self.release = release
         self.request.state = "running"
         try:
             self.work(self)      # even if the client has gone: accepted work still happens
         except Refused as e:
             self.finish(error=e)
+
+    def finish(self, response=None, error=None):
+        if self.release is not None:
+            self.release()
+        super().finish(response, error)
 
     def cancelled(self):
         self.gone = True         # not withdrawn from the admission queue
@@ -608,10 +641,16 @@ def _control(server, reg, request, work):
 
 
 def delete_checkpoint(server, request, name):
-    """Allowed while admission is drained: releasing a pin never waits for inference."""
+    """Through the control slot, but not the admission gate: allowed while drained."""
     reg = _retaining(server, request, name)
-    reg.engine.delete(name)
-    return Response.json({"object": "checkpoint", "model": reg.name, "checkpoint": name, "deleted": True})
+
+    def delete(job):
+        reg.engine.delete(name)
+        job.finish(Response.json({"object": "checkpoint", "model": reg.name, "checkpoint": name, "deleted": True}))
+
+    job = ControlJob(server, reg, request, delete)
+    server.registry.enter_ungated(reg, job)
+    return job.deferred
 
 
 # -- POST /v1/sequences ----------------------------------------------------------------
@@ -743,6 +782,30 @@ class ChatEngine(TextEngine):
         except ValueError as e:
             self.chat = e       # a deployment without chat framing still tokenizes and pins
         self.counting = 0
+        self.policy_waiting = collections.deque()
+        self.policy_busy = False
+
+    def borrow_policy(self, fn, done):
+        """fn() on the CPU executor as the model's one source-policy borrower (template
+        rendering and tokenizing, for generation and input_tokens alike): it waits for
+        the borrower before it to retire. done(result, error) on the loop."""
+        self.policy_waiting.append((fn, done))
+        self._next_borrower()
+
+    def _next_borrower(self):
+        if self.policy_busy or not self.policy_waiting:
+            return
+        fn, done = self.policy_waiting.popleft()
+        self.policy_busy = True
+
+        def retired(result, error):
+            self.policy_busy = False
+            try:
+                done(result, error)
+            finally:
+                self._next_borrower()
+
+        self.loop.run_in_executor(fn, retired)
 
 
 class Text(kinds.Kind):

@@ -1,6 +1,7 @@
 """The bert package on the real all-MiniLM-L6-v2 weights, against an independent numpy BERT."""
 
 import json
+import time
 import math
 import os
 
@@ -259,12 +260,43 @@ def test_tokenize_and_detokenize(server):
         ("/tokenize", {"model": "vectors", "content": "x" * (1 << 20 + 1)}, 413, "content_too_large"),
         ("/detokenize", {"model": "vectors", "tokens": [10 ** 6]}, 400, "invalid_value"),
         ("/detokenize", {"model": "vectors", "tokens": ["a"]}, 400, "invalid_type"),
+        ("/detokenize", {"model": "vectors", "tokens": [1] * 262145}, 413, "content_too_large"),   # one over
+        ("/detokenize", {"model": "vectors", "tokens": [1] * 300000}, 413, "content_too_large"),
     ]
     for path, body, status, code in cases:
         got_status, got = post(path, body)
         assert (got_status, got["error"]["code"]) == (status, code), (path, body, got)
     models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
     assert models["vectors"]["loom"]["tokenize"] is True
+
+
+def test_tokenizer_utilities_queue_behind_a_drained_gate(server):
+    """Like every endpoint, /tokenize and /detokenize wait while the model is drained and
+    count as the registration's work; undrain lets them through."""
+    import threading
+    post = lambda path, body: server.request("POST", path, body=json.dumps(body).encode(),  # noqa: E731
+                                             headers={"Content-Type": "application/json"})
+    vectors = lambda: next(r for r in json.loads(server.request("GET", "/v1/status")[2])["registrations"]  # noqa
+                           if r["model"] == "vectors")
+    assert post("/v1/models/drain", {"model": "vectors"})[0] == 200
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(post("/tokenize", {"model": "vectors",
+                                                                                  "content": "Hello"}))),
+               threading.Thread(target=lambda: results.append(post("/detokenize", {"model": "vectors",
+                                                                                    "tokens": [7592]})))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while vectors()["requests"]["waiting"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert results == []
+    assert post("/v1/models/undrain", {"model": "vectors"})[0] == 200
+    for t in threads:
+        t.join(10)
+    answers = sorted(json.dumps(json.loads(body), sort_keys=True) for status, _, body in results if status == 200)
+    assert answers == sorted([json.dumps({"tokens": [7592]}), json.dumps({"content": "hello"})]), results
+    assert vectors()["requests"] == {"in_flight": 0, "waiting": 0, "pending_capacity": 32}
 
 
 def test_profiles_embeddings_example_with_a_reduced_width(server):

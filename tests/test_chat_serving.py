@@ -99,7 +99,8 @@ def test_seeded_sampling_is_reproducible_and_concurrent_clients_match_alone(serv
     ({"tool_choice": "required"}, 400, "unsupported_value"),
     ({"temperature": 3.5}, 400, "out_of_range"),
     ({"max_tokens": 0}, 400, "out_of_range"),
-    ({"max_tokens": 16384}, 400, "context_length_exceeded"),
+    ({"max_tokens": 257}, 400, "out_of_range"),              # over limits.max_output_tokens (256)
+    ({"max_completion_tokens": 16384}, 400, "out_of_range"),
     ({"messages": []}, 400, "invalid_value"),
     ({"logprobs": True}, 400, "unknown_field"),
     ({"store": True}, 400, "unsupported_value"),
@@ -302,3 +303,33 @@ def test_input_tokens_waits_behind_a_drained_model(server):
                           headers={"Content-Type": "application/json"})[0] == 200
     waiter.join(10)
     assert answered["r"][0] == 200 and json.loads(answered["r"][2])["input_tokens"] > 0
+
+
+def test_max_output_tokens_is_the_limit_and_the_default(server):
+    for field in ("max_tokens", "max_completion_tokens"):
+        status, body = chat(server, dict(BASE, **{field: 257}))
+        assert status == 400 and body["error"]["param"] == field and "256" in body["error"]["message"], body
+    status, body = chat(server, dict(BASE, max_tokens=256))
+    assert status == 200 and body["usage"]["completion_tokens"] <= 256
+    status, body = chat(server, BASE)                        # omitted: the deployment default, 256
+    assert status == 200 and body["usage"]["completion_tokens"] <= 256
+
+
+def test_reasoning_content_is_present_when_thinking_is_on(server):
+    """A reasoning-aware deployment with thinking enabled always carries reasoning_content
+    (null when nothing was reasoned); with thinking off the key is absent."""
+    status, body = chat(server, dict(BASE, max_tokens=6, enable_thinking=True))
+    message = body["choices"][0]["message"]
+    assert status == 200 and "reasoning_content" in message
+    assert message["reasoning_content"] is None or isinstance(message["reasoning_content"], str)
+    status, body = chat(server, dict(BASE, max_tokens=6, enable_thinking=False))
+    assert status == 200 and "reasoning_content" not in body["choices"][0]["message"]
+    status, _, data = server.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                     body=json.dumps(dict(BASE, max_tokens=6, enable_thinking=True,
+                                                          stream=True)).encode())
+    chunks = [json.loads(line[6:]) for line in data.decode().splitlines()
+              if line.startswith("data: {")]
+    reasoned = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
+    final = chunks[-1]["choices"][0]
+    assert final["finish_reason"] is not None
+    assert reasoned or ("reasoning_content" in final["delta"] and final["delta"]["reasoning_content"] is None)

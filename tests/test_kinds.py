@@ -24,15 +24,17 @@ TALLY_BODY = Obj({"model": Str(min_len=1), "input": Arr(Arr(Int(lo=0, hi=2**31 -
                                                          max_len=16)})
 
 
-def tally(server, request):
-    body = request.json(TALLY_BODY)
-    reg = server.registry.admit(body["model"], TALLY)
-    vocab = reg.prepared.spec("VOCAB")
-    if any(t >= vocab for ids in body["input"] for t in ids):
-        raise Error(400, f"token ids must be below {vocab}", "invalid_value", "input")
-    job = TallyJob(server, reg, request, body["input"])
-    server.registry.enter(reg, job)
-    return job.deferred
+def handler(kind):
+    def tally(server, request):
+        body = request.json(TALLY_BODY)
+        reg = server.registry.admit(body["model"], kind())
+        vocab = reg.prepared.spec("VOCAB")
+        if any(t >= vocab for ids in body["input"] for t in ids):
+            raise Error(400, f"token ids must be below {vocab}", "invalid_value", "input")
+        job = TallyJob(server, reg, request, body["input"])
+        server.registry.enter(reg, job)
+        return job.deferred
+    return tally
 
 
 class TallyJob(kinds.Job):
@@ -73,7 +75,7 @@ class TallyBatch:
 class Tally(kinds.Kind):
     name = "tally"
     endpoint = "/v1/tally"
-    routes = [("POST", "/v1/tally", tally)]
+    routes = [("POST", "/v1/tally", handler(lambda: TALLY))]
     inputs, outputs = ["tokens"], ["tally"]
     probes = [("embed", {"T": 1, "S": 1})]
 
@@ -85,6 +87,30 @@ class Tally(kinds.Kind):
 
 
 TALLY = Tally()
+
+GATE = threading.Event()     # a gated step retires only once the test sets it
+
+
+class GatedEngine(BatchEngine):
+    def launch(self, jobs, done):
+        def held(values, error):
+            threading.Thread(target=lambda: (GATE.wait(30), self.loop.call_soon_threadsafe(done, values, error)),
+                             daemon=True).start()
+        super().launch(jobs, held)
+
+
+class Gated(Tally):
+    """Tally whose device steps stay in flight until GATE opens: the safe execution
+    boundary becomes observable."""
+    name = "gated"
+    endpoint = "/v1/gated"
+    routes = [("POST", "/v1/gated", handler(lambda: GATED))]
+
+    def start(self, reg, loop):
+        return GatedEngine(reg.prepared, loop, TallyBatch(reg.prepared.spec("DIM")), max_tokens=64, max_inputs=16)
+
+
+GATED = Gated()
 
 
 def call(server, path, body):
@@ -164,3 +190,70 @@ def test_a_server_without_the_kind_does_not_know_it(thread_server, tmp_path):
     status, body = call(server, "/v1/models/register", doc)
     assert status == 400 and body["error"]["param"] == "kind", body
     assert server.request("POST", "/v1/tally", body=b"{}", headers={"Content-Type": "application/json"})[0] == 404
+
+
+def test_selection_waits_for_the_cohort_in_flight(thread_server, tmp_path):
+    """A selection completes at the safe boundary: the step in flight finishes on the old
+    variant (a consumer of it), a second selection meanwhile is 409, neither variant can be
+    removed, and staged executables stay pinned in the compiler cache until they go."""
+    from test_variants import DOUBLED
+    expected = write_gguf(tmp_path / "m.gguf", "F32", seed=6)
+    (tmp_path / "doubled.loom").write_text(DOUBLED)
+    server = thread_server(kinds=routes.KINDS + (GATED,), device="cpu")
+    status_of = lambda: json.loads(server.request("GET", "/v1/status")[2])  # noqa: E731
+    baseline = status_of()["resources"]
+    GATE.set()
+    doc = {"model": "g", "kind": "gated", "sources": [f"{PACKAGE}/affine.loom"], "checkpoint": "m.gguf",
+           "base_directory": str(tmp_path), "variant_capacity": 3}
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    assert wait_ready(server, "g")["phase"] == "ready"
+    pinned = status_of()["resources"]["jit"]["pinned"]
+    inv = json.loads(server.request("GET", "/v1/models/variants", headers={"X-Loom-Model": "g"})[2])
+    base = inv["selected"]
+    status, body = call(server, "/v1/models/variants", {"model": "g", "base": base, "sources": ["doubled.loom"],
+                                                        "base_directory": str(tmp_path)})
+    assert status == 200 and body["variant"]["phase"] == "ready", body
+    new = body["variant"]["id"]
+    assert status_of()["resources"]["jit"]["pinned"] > pinned          # the candidate's builds are pinned
+
+    GATE.clear()
+    results = {}
+    ask = threading.Thread(target=lambda: results.update(step=call(server, "/v1/gated",
+                                                                   {"model": "g", "input": [[1, 2]]})))
+    ask.start()
+    deadline = time.monotonic() + 10
+    while next(r for r in status_of()["registrations"] if r["model"] == "g")["batching"]["cohorts"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    select = threading.Thread(target=lambda: results.update(select=call(
+        server, "/v1/models/variants/select", {"model": "g", "variant": new, "expected": base})))
+    select.start()
+    while not any(r["route"] == "/v1/models/variants/select"
+                  for r in json.loads(server.request("GET", "/v1/requests")[2])["data"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    status, body = call(server, "/v1/models/variants/select", {"model": "g", "variant": new, "expected": base})
+    assert status == 409 and body["error"]["code"] == "selection_pending", body
+    for vid in (base, new):
+        status, body = call(server, "/v1/models/variants/remove", {"model": "g", "variant": vid})
+        assert status == 409 and body["error"]["code"] == "variant_busy", body
+    inv = json.loads(server.request("GET", "/v1/models/variants", headers={"X-Loom-Model": "g"})[2])
+    assert inv["selected"] == base and {v["id"]: v["users"] for v in inv["data"]} == {base: 2, new: 0}
+    GATE.set()
+    ask.join(30)
+    select.join(30)
+    assert results["select"] == (200, {"selected": new})
+    ref = reference(*expected, [[1, 2]])
+    np.testing.assert_allclose(results["step"][1]["max"], ref.max(axis=1), rtol=1e-4)    # ran on the old variant
+    status, body = call(server, "/v1/gated", {"model": "g", "input": [[1, 2]]})
+    np.testing.assert_allclose(body["max"], 2 * ref.max(axis=1), rtol=1e-4)              # the new one runs now
+    assert call(server, "/v1/models/variants/remove", {"model": "g", "variant": base}) == (200, {"removed": base})
+
+    assert call(server, "/v1/models/unregister", {"model": "g"})[0] == 202
+    deadline = time.monotonic() + 10
+    while any(r["model"] == "g" for r in status_of()["registrations"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = status_of()["resources"]
+    assert after["jit"]["pinned"] == baseline["jit"]["pinned"]                           # pins went with the model
+    assert after["memory"]["used"] == baseline["memory"]["used"]

@@ -320,3 +320,27 @@ def test_a_sequence_that_must_replay_history_emits_only_its_new_ids(model, loop)
     engine.delete("cp")
     engine.release_idle()
     assert engine.pool.available == PAGES
+
+
+def test_checkpoint_controls_take_one_slot_in_turn(model, loop):
+    """Pin, suspend and delete share one control slot per deployment: a control waits for
+    the one before it to release, and the waiting queue is bounded."""
+    from loom.scheduler import CONTROL_QUEUE
+    prepared, _ = model
+    engine = TextEngine(prepared, loop, rows=1, pages=PAGES, page_size=PAGE, checkpoint_capacity=1)
+    ran, releases = [], []
+    engine.take_control(lambda release: (ran.append(0), releases.append(release)))
+    for i in range(1, CONTROL_QUEUE + 1):
+        engine.take_control(lambda release, i=i: (ran.append(i), releases.append(release)))
+    with pytest.raises(Refused) as e:
+        engine.take_control(lambda release: None)
+    assert e.value.code == "control_queue_full" and Error.of(e.value).status == 503
+    assert ran == [0]                                     # the others wait for the slot
+    releases[0]()
+    releases[0]()                                         # a second release is a no-op
+    tick(loop)
+    assert ran == [0, 1]
+    for n in range(1, CONTROL_QUEUE + 1):
+        releases[n]()
+        tick(loop)
+    assert ran == list(range(CONTROL_QUEUE + 1)) and not engine.control_busy

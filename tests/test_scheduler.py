@@ -236,3 +236,58 @@ def test_a_full_cache_keeps_its_first_ancestor_and_the_end_boundary_never_evicts
     run_all(engine, loop, [other])
     assert list(engine.prefixes) == [tuple(range(50, 82))]
     loop.close()
+
+
+def test_closing_the_loop_cancels_queued_work_quietly(caplog):
+    """Shutdown cancels executor work not yet started: no callback errors, no tracebacks."""
+    import threading
+    loop = Loop(1)
+    started = threading.Event()
+    loop.run_in_executor(lambda: (started.set(), time.sleep(0.2)), lambda result, error: None)
+    for _ in range(8):
+        loop.run_in_executor(lambda: None, lambda result, error: None)
+    started.wait(5)
+    with caplog.at_level("ERROR"):
+        loop.close()
+        time.sleep(0.3)
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_one_source_policy_borrower_per_model_in_arrival_order():
+    """Template rendering and counting share one borrower per model: each waits for the
+    one before it to retire, on the CPU executor (two workers, yet never two at once)."""
+    import collections
+    import threading
+    from loom.text import ChatEngine
+
+    class Policy:
+        borrow_policy, _next_borrower = ChatEngine.borrow_policy, ChatEngine._next_borrower
+
+        def __init__(self, loop):
+            self.loop, self.policy_waiting, self.policy_busy = loop, collections.deque(), False
+
+    loop = Loop(2)
+    engine = Policy(loop)
+    active, peak, order, done = [0], [0], [], []
+    lock = threading.Lock()
+
+    def work(i):
+        def run():
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            assert threading.current_thread() is not threading.main_thread()
+            time.sleep(0.02)
+            with lock:
+                active[0] -= 1
+            order.append(i)
+            return i
+        return run
+
+    for i in range(5):
+        engine.borrow_policy(work(i), lambda result, error: done.append((result, error)))
+    deadline = time.monotonic() + 10
+    while len(done) < 5 and time.monotonic() < deadline:
+        loop.run_once()
+    loop.close()
+    assert done == [(i, None) for i in range(5)] and order == list(range(5)) and peak[0] == 1
