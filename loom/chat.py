@@ -44,13 +44,41 @@ class ChatPolicy:
         self.stop = list(self.format.get("stop", []))
 
     # -- input -------------------------------------------------------------------
-    def render(self, messages, tools=None, enable_thinking=None, generation=True):
-        """Messages (validated) -> the prompt text, framing included."""
+    def options(self, values):
+        """Validate model_options against the format's declarations -> {name: value}.
+        A declaration is {"type": "boolean"|"string"|"integer"|"number", "enum": [...],
+        "system": "... {value} ...", "generation": "... {value} ..."}: where its text goes."""
+        declared = self.format.get("model_options") or {}
+        for name, value in (values or {}).items():
+            rule = declared.get(name) if isinstance(declared, dict) else None
+            if rule is None:
+                raise ChatError(f"model_options.{name} is not understood by this model's policy", "unknown_field",
+                                f"model_options.{name}")
+            kind = rule.get("type")
+            ok = {"boolean": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
+                  "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                  "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind,
+                                                                                                 lambda v: True)
+            if not ok(value) or ("enum" in rule and value not in rule["enum"]):
+                allowed = f"one of {rule['enum']}" if "enum" in rule else f"a {kind}"
+                raise ChatError(f"model_options.{name} must be {allowed}", "invalid_value", f"model_options.{name}")
+        return dict(values or {})
+
+    def _option_text(self, values, where):
+        declared = self.format.get("model_options") or {}
+        return "".join(declared[name][where].replace("{value}", json.dumps(value) if not isinstance(value, str)
+                                                     else value)
+                       for name, value in values.items() if where in declared[name])
+
+    def render(self, messages, tools=None, enable_thinking=None, generation=True, model_options=None):
+        """Messages (validated) -> the prompt text, framing included; model_options
+        (validated by options()) render where the format declares them."""
         fmt = self.format
+        options = self.options(model_options)
         parts = [fmt.get("bos", "")]
         system = [m for m in messages if m["role"] == "system"]
         rest = [m for m in messages if m["role"] != "system"]
-        system_text = "\n\n".join(_text(m["content"]) for m in system)
+        system_text = "\n\n".join(_text(m["content"]) for m in system) + self._option_text(options, "system")
         if tools:
             if not self.tools:
                 raise ChatError("this model's chat format has no tool calling", "unsupported_value", "tools")
@@ -62,7 +90,7 @@ class ChatPolicy:
         for m in rest:
             parts.append(fmt["roles"][m["role"]].replace("{content}", self._content(m)))
         if generation:
-            parts.append(fmt["generation"])
+            parts.append(fmt["generation"] + self._option_text(options, "generation"))
             thinking = self._thinking(enable_thinking)
             if thinking is False and self.reasoning and self.reasoning.get("disabled"):
                 parts.append(self.reasoning["disabled"])

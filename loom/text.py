@@ -197,17 +197,13 @@ def _validated(server, request):
     request.model = reg.name
     policy = _policy(reg)
     _sampling(policy, body)
-    allowed = set(policy.format.get("model_options", []))
-    unknown = sorted(set(body.get("model_options") or {}) - allowed)
-    if unknown:
-        raise Error(400, f"model_options {', '.join(unknown)} not understood by this model's policy",
-                        "unknown_field", f"model_options.{unknown[0]}")
+    options = policy.options(body.get("model_options"))     # 400 before admission; rendered below
     messages, tools, thinking = body["messages"], body.get("tools"), body.get("enable_thinking")
     tok = reg.prepared.tokenizer
 
     def prompt():
         """On the CPU executor, as the model's one policy borrower: framing, then tokens."""
-        return tok.encode(policy.render(messages, tools, thinking), add_special=False)
+        return tok.encode(policy.render(messages, tools, thinking, model_options=options), add_special=False)
 
     return body, reg, policy, prompt
 

@@ -99,3 +99,28 @@ def test_tool_choice_none_rejects_a_generated_call():
     parser = ChatPolicy(POLICY, choice="chatml").parser(enable_thinking=False, tools_allowed=False)
     with pytest.raises(ToolCallError, match="tool_choice is none"):
         parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+
+
+def test_model_options_are_validated_and_rendered_where_the_format_declares():
+    import copy
+    policy_doc = copy.deepcopy(POLICY)
+    policy_doc["chats"]["chatml"]["model_options"] = {
+        "effort": {"type": "string", "enum": ["low", "high"], "system": "Reasoning: {value}"},
+        "budget": {"type": "integer", "generation": "<budget {value}>"}}
+    policy = ChatPolicy(policy_doc, choice="chatml")
+    text = policy.render([{"role": "user", "content": "Hi"}], enable_thinking=True,
+                         model_options={"effort": "high", "budget": 64})
+    assert text == ("<|im_start|>system\nReasoning: high<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\n<budget 64>")
+    assert policy.render([{"role": "user", "content": "Hi"}], enable_thinking=True) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"                  # omitted: nothing rendered
+    for options, code, param in (({"effort": "medium"}, "invalid_value", "model_options.effort"),
+                                 ({"budget": "64"}, "invalid_value", "model_options.budget"),
+                                 ({"budget": True}, "invalid_value", "model_options.budget"),
+                                 ({"other": 1}, "unknown_field", "model_options.other")):
+        with pytest.raises(ChatError) as info:
+            policy.options(options)
+        error = Error.of(info.value)
+        assert (error.status, error.code, error.param) == (400, code, param)
+    with pytest.raises(ChatError):                          # a format that declares none takes none
+        ChatPolicy(POLICY, choice="chatml").options({"effort": "high"})
