@@ -143,7 +143,7 @@ def trim_device(server, request):
 # -- native executable variants ------------------------------------------------------
 
 PAGE = 64
-STAGING_CREDIT = 4      # staged compilations in progress per registration; more answer 429
+MANAGEMENT_CREDIT = 8   # management observations open at once per registration; more answer 429
 STAGE = Obj({"model": Str(min_len=1), "base": Int(lo=0, hi=2**62),
              "base_directory": Str(min_len=1, max_len=4096, optional=True),
              "sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64), "wait": Bool(optional=True)})
@@ -183,14 +183,37 @@ def list_variants(server, request):
         raise Error(400, "X-Loom-Offset and X-Loom-Variant are mutually exclusive", "conflicting_headers")
     prepared = reg.prepared
     if variant_text is not None:
-        vid = _header_int(variant_text, "X-Loom-Variant")
-        return Response.json(_variant(server, reg, vid).record(detail=True))
+        variant = _variant(server, reg, _header_int(variant_text, "X-Loom-Variant"))
+        return _answer(Response.json(variant.record(detail=True)), _observe(reg))
     offset = _header_int(offset_text, "X-Loom-Offset") if offset_text is not None else 0
     variants = list(prepared.variants.values())
     data, next_offset = page(variants, offset, PAGE)
-    return Response.json({"object": "list", "model": reg.name, "selected": prepared.selected,
-                          "count": len(variants), "offset": offset, "data": [v.record() for v in data],
-                          "next_offset": next_offset})
+    return _answer(Response.json({"object": "list", "model": reg.name, "selected": prepared.selected,
+                                  "count": len(variants), "offset": offset, "data": [v.record() for v in data],
+                                  "next_offset": next_offset}), _observe(reg))
+
+
+def _observe(reg):
+    """One unit of reg's management-observation credit, or 429. An inventory, removal
+    or selection answer holds it until its bytes have left for the client (or the
+    client has gone: a slow reader cannot pile up answers); a staged compilation
+    until it settles. Returns release(), which is idempotent."""
+    if reg.observations >= MANAGEMENT_CREDIT:
+        raise Error(429, f"model {reg.name!r} has {reg.observations} management observations open (its credit); "
+                         "retry when one completes", "management_credit", "model")
+    reg.observations += 1
+    held = [True]
+
+    def release():
+        if held[0]:
+            held[0] = False
+            reg.observations -= 1
+    return release
+
+
+def _answer(response, release):
+    response.on_sent = release
+    return response
 
 
 def _header_int(text, header):
@@ -228,12 +251,10 @@ def stage_variant(server, request):
 
 def _stage(server, reg, base, paths, loaded, wait):
     prepared = reg.prepared
-    if reg.staging >= STAGING_CREDIT:
-        raise Error(429, f"model {reg.name!r} already compiles {reg.staging} staged variants; retry when one settles",
-                    "management_credit", "model")
     if len(prepared.variants) >= reg.doc["variant_capacity"]:
         raise Error(429, f"model {reg.name!r} holds {len(prepared.variants)} variants, its variant_capacity",
                         "variant_capacity", "model")
+    compiling = _observe(reg)
     variant = runtime.Variant(runtime.next_variant_id(), base.id, None, None)
     prepared.variants[variant.id] = variant
     deferred = Deferred() if wait else None
@@ -250,6 +271,7 @@ def _stage(server, reg, base, paths, loaded, wait):
     def settle(phase, error=None):
         variant.phase = phase
         variant.error = error
+        compiling()
         server.registry.staged(reg, -1)
         log.info("variant %d of %s: %s", variant.id, reg.name, phase,
                  extra={"event": "variant", "model": reg.name, "variant": variant.id, "phase": phase})
@@ -297,21 +319,24 @@ def select_variant(server, request):
                     "stale_expected", "expected")
     if variant.phase != "ready":
         raise Error(409, f"variant {variant.id} is {variant.phase}", "variant_not_ready", "variant")
+    release = _observe(reg)
     prepared.selecting = variant.id
     deferred = Deferred()
+    deferred.on_cancel = release     # the client left: the switch still happens at the boundary
 
     def switch():
         prepared.selecting = None
         if variant.id not in prepared.variants or reg.removing:
-            deferred.resolve(Response.error(Error(410, f"model {reg.name!r} was unregistered before the selection "
-                                                       "took effect", "model_unregistered", "model")))
+            deferred.resolve(_answer(Response.error(Error(
+                410, f"model {reg.name!r} was unregistered before the selection took effect", "model_unregistered",
+                "model")), release))
             return
         prepared.variants[prepared.selected].users -= 1
         variant.users += 1
         prepared.selected = variant.id
         log.info("selected variant %d of %s", variant.id, reg.name,
                  extra={"event": "variant_selected", "model": reg.name, "variant": variant.id})
-        deferred.resolve(Response.json({"selected": variant.id}))
+        deferred.resolve(_answer(Response.json({"selected": variant.id}), release))
 
     reg.engine.at_boundary(switch)
     return deferred
@@ -326,11 +351,12 @@ def remove_variant(server, request):
         raise Error(409, f"variant {variant.id} is still compiling", "variant_busy", "variant")
     if variant.users or variant.id in (prepared.selected, prepared.selecting):
         raise Error(409, f"variant {variant.id} is in use ({variant.users} users)", "variant_busy", "variant")
+    release = _observe(reg)
     del prepared.variants[variant.id]
     variant.unpin(prepared.compiler)
     for key in [k for k in prepared.plans if k[0] == variant.id]:
         prepared.plans.pop(key).release()
-    return Response.json({"removed": variant.id})
+    return _answer(Response.json({"removed": variant.id}), release)
 
 
 ROUTES = [

@@ -110,9 +110,10 @@ class Request:
 
 
 class Response:
-    __slots__ = ("status", "headers", "body")
+    __slots__ = ("status", "headers", "body", "on_sent")
 
     def __init__(self, status=200, body=b"", content_type=None, headers=()):
+        self.on_sent = None     # called once its bytes have left for the client, or the client has gone
         self.status = status
         self.headers = list(headers)
         if content_type:

@@ -936,12 +936,18 @@ def main(argv=None):
     k.add_argument("source", nargs="+")
     sub.add_parser("format", help="print a module as canonical .loom text").add_argument("source")
     sub.add_parser("disassemble", help="print a module's sections and code").add_argument("source")
-    p = sub.add_parser("split", help="split a module into a config part (specs, params, states, policy) and a "
-                                     "program part (kernels, commands): the two parts of a native variant")
+    p = sub.add_parser("split", help="split a module into the parts a model document names: the native "
+                                     "providers (kernels, commands) and either one config part (specs, params, "
+                                     "states, policy) or a prepare part (specs, params, states) and a control "
+                                     "part (policy)")
     p.add_argument("source")
-    p.add_argument("--config", required=True, help="the .loom file for specs, params, states and policy")
     p.add_argument("--program", required=True, help="the .loom file for kernels and commands")
+    p.add_argument("--config", help="the .loom file for specs, params, states and policy")
+    p.add_argument("--prepare", help="the .loom file for specs, params and states (a document's prepare module)")
+    p.add_argument("--control", help="the .loom file for the policy (a document's control module)")
     args = ap.parse_args(argv)
+    if args.cmd == "split" and (args.config is None) == (args.prepare is None or args.control is None):
+        ap.error("split takes --config, or --prepare with --control")
     try:
         if args.cmd == "check":
             module = merge([load(path, checked=False) for path in args.source], args.source)
@@ -955,9 +961,14 @@ def main(argv=None):
         with open(args.output, "wb") as f:
             f.write(bytecode.write(module))
     elif args.cmd == "split":
-        config = Module(module.name, module.kind, module.specs, module.params, module.states, policy=module.policy)
         program = Module(module.name, None, kernels=module.kernels, commands=module.commands)
-        for path, part in ((args.config, config), (args.program, program)):
+        if args.config:
+            parts = [(args.config, Module(module.name, module.kind, module.specs, module.params, module.states,
+                                          policy=module.policy))]
+        else:
+            parts = [(args.prepare, Module(module.name, module.kind, module.specs, module.params, module.states)),
+                     (args.control, Module(module.name, None, policy=module.policy))]
+        for path, part in parts + [(args.program, program)]:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(format_module(part))
     elif args.cmd == "check":

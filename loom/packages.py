@@ -231,6 +231,22 @@ class Package:
                                  f"which is {what}", "missing_member", param)
         return kind, path
 
+    def folder_of(self, ref, base=None, param=None):
+        """The package directory a relative locator places metadata in: the locator
+        itself when it names a directory ("." is the request's), else its parent; None
+        when the package has no such directory (nothing uploaded there)."""
+        kind, path = self._locate(ref, self._base(base), param, directory=True)
+        if kind != "package":
+            raise ValueError(f"{ref!r} is a server path")
+        if path in self._dirs:
+            return path
+        parent = path.rpartition("/")[0]
+        return parent if parent in self._dirs else None
+
+    def reader(self, folder):
+        """read(name) -> bytes | None for the files of one package directory."""
+        return lambda name: self.files.get(f"{folder}/{name}" if folder else name)
+
     def read(self, ref, base=None, param=None):
         """("package", bytes) for a package member, or ("server", None) for a server path
         (the caller reads it with its own bounds)."""

@@ -15,9 +15,9 @@ import re
 import threading
 import time
 
-from . import jsonin, language, runtime
+from . import jsonin, language, runtime, tokenizer
 from .errors import Error, Problem
-from .jsonin import Arr, Enum, Int, Obj, Str
+from .jsonin import Arr, Bool, Enum, Int, Obj, Str
 
 log = logging.getLogger("loom.registry")
 
@@ -42,6 +42,8 @@ def document_schema(kind_names):
         "base_directory": Str(min_len=1, max_len=4096, optional=True),
         "prepare": Str(min_len=1, max_len=4096, optional=True),
         "control": Str(min_len=1, max_len=4096, optional=True),
+        "assets": Str(min_len=1, max_len=4096, optional=True),
+        "endpoint": Bool(optional=True),
         "admission": Enum(["open", "drained"], optional=True),
         "rows": Int(lo=1, hi=1024, optional=True),
         "context_length": Int(lo=1, hi=1 << 20, optional=True),
@@ -58,7 +60,7 @@ def document_schema(kind_names):
 
 DEFAULTS = {"admission": "open", "rows": 4, "context_length": 4096, "max_output_tokens": 512,
             "pending_capacity": 32, "session_cache_capacity": 0, "prefix_cache_capacity": 0,
-            "checkpoint_capacity": 0, "checkpoint_backing": "fixed", "variant_capacity": 0}
+            "checkpoint_capacity": 0, "checkpoint_backing": "fixed", "variant_capacity": 0, "endpoint": True}
 
 # (phase, event) -> the next phase. Any other pair is a bug, and raises.
 PHASES = {
@@ -73,6 +75,59 @@ PHASES = {
     ("failed", "unregister"): "failed",      # a failed registration keeps saying why until it goes
     ("removing", "failed"): "failed",        # preparation failed after unregister: removed next
 }
+
+
+class Files:
+    """Where a registration's inputs come from (PROFILES.md "Uploaded source packages").
+    Code (prepare, control, sources) and metadata (the asset directory: tokenizer
+    files) come from an uploaded package when their locators are relative, else from
+    server files; checkpoint bytes always from the server, relative to base_directory.
+    Package members are looked up here, so a missing one fails the request (422)
+    instead of falling back to a server file of the same name."""
+
+    def __init__(self, doc, base, package):
+        self.checkpoint = runtime.resolve(base, doc["checkpoint"])
+        self.sources, self.loaded, self.preserved = [], [], []
+        for role in ("prepare", "control"):
+            if role in doc:
+                self.preserved.append((role, *self._code(doc[role], base, package, role)))
+        for i, ref in enumerate(doc["sources"]):
+            path, data = self._code(ref, base, package, f"sources[{i}]")
+            if data is None:
+                self.sources.append(path)
+            else:
+                self.loaded.append((path, data))
+        self.assets = self._assets(doc, base, package)
+
+    @staticmethod
+    def _code(ref, base, package, param):
+        """(path, bytes) of an uploaded member, or (server path, None) to read at preparation."""
+        if package is None:
+            return runtime.resolve(base, ref), None
+        where, path = package.resolve(ref, param=param)
+        return path, (package.files[path] if where == "package" else None)
+
+    @staticmethod
+    def _assets(doc, base, package):
+        """read(name) -> bytes | None over the metadata directory; None: the checkpoint's
+        own folder on the server (runtime's default)."""
+        ref = doc.get("assets")
+        if package is not None and not os.path.isabs(ref or doc["checkpoint"]):
+            if ref is not None:
+                return package.reader(package.resolve_dir(ref, param="assets")[1])
+            # checkpoint:"." reads uploaded metadata beside the request; its bytes stay on the server.
+            folder = package.folder_of(doc["checkpoint"], param="checkpoint")
+            return package.reader(folder) if folder is not None else (lambda name: None)
+        if ref is None:
+            return None
+        folder = runtime.resolve(base, ref)
+        read = tokenizer.folder_reader(folder)
+
+        def server_read(name):
+            if not os.path.isdir(folder):
+                raise OSError(f"the asset directory {folder} is not a directory")
+            return read(name)
+        return server_read
 
 
 class Registration:
@@ -104,8 +159,9 @@ class Registration:
         self.deactivate_when_idle = False
         self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
         self.staging = 0            # staged variants still compiling: they hold the compiler's model ownership
+        self.observations = 0       # management observations open (admin.py's credit)
         self.package = None         # an uploaded source package, retained until the model retires
-        self.loaded = []            # its members this registration's sources name: (path, bytes)
+        self.files = None           # where its code, metadata and checkpoint come from (Files)
 
     def transition(self, event):
         try:
@@ -113,22 +169,15 @@ class Registration:
         except KeyError:
             raise RuntimeError(f"registration {self.name}: no transition from {self.phase} on {event}") from None
 
-    def paths(self):
-        """(server source paths, checkpoint path); uploaded members are in self.loaded."""
-        base = self.base_directory
-        if self.package is not None:
-            sources = [s for s in self.doc["sources"] if os.path.isabs(s)]
-        else:
-            sources = [runtime.resolve(base, s) for s in self.doc["sources"]]
-        return sources, runtime.resolve(base, self.doc["checkpoint"])
-
     def components(self):
         return self.kind.components(self.prepared)
 
     def capability(self):
         p = self.prepared
-        loom = {"kind": self.kind.name, "endpoint": self.kind.endpoint,
-                "tokenize": bool(p is not None and p.tokenizer is not None), "admission": self.admission}
+        loom = {"kind": self.kind.name}
+        if self.kind.endpoint is not None and self.doc["endpoint"]:
+            loom["endpoint"] = self.kind.endpoint       # native-only activity models have none
+        loom.update(tokenize=bool(p is not None and p.tokenizer is not None), admission=self.admission)
         loom.update(self.kind.capability(self))
         if p is not None and p.variants:
             loom["variants"] = {"selected": p.selected, "count": len(p.variants)}
@@ -274,19 +323,13 @@ class Registry:
         base = doc.get("base_directory") or base_directory
         if base is not None and not os.path.isabs(base):
             raise Error(400, "base_directory must be an absolute path", "invalid_value", "base_directory")
-        relative = [doc["checkpoint"]] + ([] if package else doc["sources"])
-        if base is None and any(not os.path.isabs(p) for p in relative):
+        located = [doc["checkpoint"]] + ([] if package else [doc[f] for f in ("prepare", "control", "assets")
+                                                              if f in doc] + doc["sources"])
+        if base is None and any(not os.path.isabs(p) for p in located):
             raise Error(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
-        loaded = []
-        if package is not None:
-            # Members are looked up now, so a missing one fails the request (422)
-            # instead of falling back to a server file of the same name.
-            for i, ref in enumerate(doc["sources"]):
-                where, data = package.read(ref, param=f"sources[{i}]")
-                if where == "package":
-                    loaded.append((package.resolve(ref)[1], data))
+        files = Files(doc, base, package)
         reg = Registration(doc, kind, base)
-        reg.package, reg.loaded = package, loaded
+        reg.package, reg.files = package, files
         self.registrations[reg.name] = reg
         log.info("registered %s (%s)", reg.name, kind.name, extra={"event": "registered", "model": reg.name})
         reg.transition(reg.admission)
@@ -309,7 +352,7 @@ class Registry:
 
     def _prepare(self, reg):
         device = self.device
-        sources, checkpoint = reg.paths()
+        files = reg.files
         options = reg.kind.options(reg.doc, dict(reg.doc.get("options") or {}))
         loop = self.server.loop
 
@@ -317,8 +360,8 @@ class Registry:
             loop.call_soon_threadsafe(reg.progress.update, {"bytes_done": done, "bytes_total": total})
 
         def work():
-            return runtime.prepare(reg.name, sources, checkpoint, options, device, self.compiler, progress,
-                                   loaded=reg.loaded)
+            return runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
+                                   progress, loaded=files.loaded, preserved=files.preserved, assets=files.assets)
 
         def finished(prepared, error):
             if error is not None:
@@ -454,7 +497,7 @@ class Registry:
                 fn(None if reg.prepared is not None else RuntimeError(f"{reg.name} is not prepared"))
             return
         reg.restoring = waiters
-        _, checkpoint = reg.paths()
+        checkpoint = reg.files.checkpoint
         log.info("activating %s", reg.name, extra={"event": "activating", "model": reg.name})
 
         def restored(_result, error):
@@ -501,6 +544,9 @@ class Registry:
         if reg.kind is not kind:
             raise Error(404, f"model {name!r} is a {reg.kind.name} deployment, not {kind.name}", "model_not_found",
                         "model")
+        if not reg.doc["endpoint"]:
+            raise Error(404, f"model {name!r} is a native-only activity model: it serves no HTTP inference "
+                             "(its management and tokenizer utilities stay available)", "model_not_found", "model")
         if reg.phase == "failed":
             # Not retryable: the package, checkpoint or driver must change (422, as a failed variant).
             raise Error(422, f"model {name!r} failed to prepare ({reg.error['code']}): "

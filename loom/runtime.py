@@ -34,13 +34,48 @@ class PrepareError(Problem):
     """Preparation failed; `code` names the stage for /v1/status."""
 
 
-def load_module(paths, loaded=None):
+# What a document's prepare and control modules own: nothing else may declare it.
+ROLES = {"prepare": ("specs", "params", "states"), "control": ("policy",)}
+
+
+def _declared(module):
+    sections = {s for s in ("specs", "params", "states", "kernels", "commands") if getattr(module, s)}
+    return sections | ({"policy"} if module.policy is not None else set())
+
+
+def load_module(paths, loaded=None, preserved=()):
     """One module from several source files (.loom or .loombc): their declarations
-    merge. `loaded` supplies (name, bytes) pairs already in memory (uploads)."""
+    merge. `loaded` supplies (name, bytes) pairs already in memory (uploads);
+    `preserved` the document's (role, name, bytes) prepare and control modules,
+    each declaring only what its role owns (ROLES), which the sources then may not."""
     items = [(p, None) for p in paths] + list(loaded or [])
     parts = [language.load(path, checked=False) if data is None else language.load_bytes(data, path, checked=False)
              for path, data in items]
-    return language.merge(parts, [path for path, _ in items])
+    names = [path for path, _ in items]
+    sources = set().union(*(_declared(part) for part in parts))
+    for role, path, data in preserved:
+        part = language.load_bytes(data, path, checked=False)
+        extra = sorted(_declared(part) - set(ROLES[role]))
+        if extra:
+            raise LoomError(f"{path}: a {role} module declares only {', '.join(ROLES[role])}, not {', '.join(extra)}")
+        owned = sorted(sources & set(ROLES[role]))
+        if owned:
+            raise LoomError(f"the sources declare {', '.join(owned)}, which the {role} module {path} owns")
+        parts.append(part)
+        names.append(path)
+    return language.merge(parts, names)
+
+
+def read_preserved(modules):
+    """The (role, name, bytes) of the prepare and control modules, reading server files:
+    a registration keeps these bytes, so variants never reread them."""
+    out = []
+    for role, path, data in modules:
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
+        out.append((role, path, data))
+    return out
 
 
 def _device_array(checkpoint, tensor, storage):
@@ -123,7 +158,8 @@ class Prepared:
         self.variants = {}            # id -> Variant, in creation order
         self.selected = None          # the preferred variant's id
         self.selecting = None         # a selection waiting for the safe execution boundary
-        self.tokenizer = None         # from the checkpoint, when it carries one
+        self.tokenizer = None         # from the asset directory or the checkpoint, when either has one
+        self.preserved = []           # (role, name, bytes) of the prepare and control modules variants keep
 
     @property
     def policy(self):
@@ -346,11 +382,16 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
     prepared.plan_async(command, geometry, planned)
 
 
-def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None):
+def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None,
+            preserved=(), assets=None):
     """Everything that reads files or uploads weights; runs on a worker thread.
-    `loaded` holds (name, bytes) sources from an uploaded package."""
+    `loaded` holds (name, bytes) sources from an uploaded package; `preserved` the
+    document's (role, path, bytes|None) prepare and control modules; `assets` a
+    read(name) -> bytes|None over the model's metadata directory (default: the
+    checkpoint's folder on the server)."""
     try:
-        module = load_module(source_paths, loaded)
+        preserved = read_preserved(preserved)
+        module = load_module(source_paths, loaded, preserved)
     except (LoomError, OSError) as e:
         raise PrepareError(str(e), "source") from None
     try:
@@ -373,7 +414,8 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
             except ValueError as e:
                 raise PrepareError(f"kernel {kernel.name}: {e}", "source") from None
         prepared = Prepared(name, module, binding, device, compiler, sources)
-        prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint)
+        prepared.preserved = preserved
+        prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint, assets)
         try:
             _upload(prepared, checkpoint, progress)
         except BaseException:
@@ -413,19 +455,20 @@ def _upload_params(prepared, checkpoint, progress):
             prepared.params[key] = prepared.params[target]
 
 
-def _tokenizer(checkpoint_path, checkpoint):
-    """The checkpoint's tokenizer: the tokenizer.ggml.* metadata of a GGUF file, else
-    a tokenizer.json beside (or in) the checkpoint; None if there is neither."""
+def _tokenizer(checkpoint_path, checkpoint, assets):
+    """The model's tokenizer: tokenizer metadata in its asset directory (tokenizer.json
+    or vocab.txt), else the tokenizer.ggml.* metadata of a GGUF checkpoint; None if neither."""
     from . import tokenizer
+    if assets is None:
+        assets = tokenizer.folder_reader(checkpoint_path if os.path.isdir(checkpoint_path)
+                                         else os.path.dirname(checkpoint_path))
     try:
-        if checkpoint.format == "gguf" and "tokenizer.ggml.model" in checkpoint.metadata:
-            return tokenizer.from_gguf_metadata(checkpoint.metadata)
-        folder = checkpoint_path if os.path.isdir(checkpoint_path) else os.path.dirname(checkpoint_path)
-        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            return tokenizer.load(os.path.join(folder, "tokenizer.json"))
+        found = tokenizer.from_folder(assets)
+        if found is None and checkpoint.format == "gguf" and "tokenizer.ggml.model" in checkpoint.metadata:
+            found = tokenizer.from_gguf_metadata(checkpoint.metadata)
+        return found
     except (tokenizer.TokenizerError, OSError, ValueError) as e:
         raise PrepareError(str(e), "tokenizer") from None
-    return None
 
 
 def _storage_bytes(shape, storage):
@@ -461,7 +504,7 @@ def stage_binding(prepared, source_paths, loaded=None):
     the resource contract. Runs on a worker (it reads files). `loaded` is an
     optional list of (name, bytes) for sources uploaded in a package."""
     try:
-        module = load_module(source_paths, loaded)
+        module = load_module(source_paths, loaded, prepared.preserved)
     except (LoomError, OSError) as e:
         raise PrepareError(str(e), "source") from None
     base = prepared.binding

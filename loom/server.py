@@ -143,6 +143,7 @@ class Connection:
         cfg = server.config
         self.parser = RequestParser(cfg.header_bytes, cfg.request_body_bytes)
         self.out = bytearray()
+        self.sent = []              # Response.on_sent callbacks waiting for `out` to drain
         self.high_water = cfg.output_buffer_bytes
         self.request = None         # the request whose response is in progress
         self.stream = None
@@ -298,6 +299,9 @@ class Connection:
             self.closing = True
         head = response.head_bytes(request.keep_alive, length=len(response.body))
         self.write(head if head_only else head + response.body)  # one send: no Nagle stall between them
+        if response.on_sent is not None:
+            self.sent.append(response.on_sent)
+            self._sent()
         self.complete()
 
     # Stream sink protocol (see http.Stream).
@@ -349,6 +353,7 @@ class Connection:
                 del self.out[:sent]
                 self.last_write = time.monotonic()
                 self.server.bytes_out.inc(sent)
+                self._sent()
         if not self.out and self.closing and self.request is None:
             if self.lingering is None:
                 self.close()
@@ -359,6 +364,13 @@ class Connection:
                 self.close()
                 return
         self.update_interest()
+
+    def _sent(self):
+        """Run the on_sent callbacks once nothing is left to send (or nothing will be)."""
+        if self.sent and (not self.out or self.closed):
+            callbacks, self.sent = self.sent, []
+            for fn in callbacks:
+                fn()
 
     # -- endings -----------------------------------------------------------
     def reject(self, error):
@@ -400,6 +412,7 @@ class Connection:
         self.server.loop.selector.unregister(self.sock)
         self.sock.close()
         self.out = bytearray()
+        self._sent()
         self.server.connections.discard(self)
 
     def sweep(self, now, cfg):

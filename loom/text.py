@@ -837,7 +837,8 @@ class Text(kinds.Kind):
                 "limits": {"max_output_tokens": reg.doc["max_output_tokens"]},
                 "retained": {k: reg.doc[k] for k in ("session_cache_capacity", "prefix_cache_capacity",
                                                      "checkpoint_capacity", "checkpoint_backing")},
-                "input_tokens": bool(p is not None and p.tokenizer is not None and p.policy.get("chats"))}
+                "input_tokens": bool(reg.doc["endpoint"] and p is not None and p.tokenizer is not None
+                                     and p.policy.get("chats"))}
 
     def geometry(self, reg):
         options, doc = reg.prepared.binding.options, reg.doc

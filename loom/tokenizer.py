@@ -864,7 +864,9 @@ def _build_pretokenizer(spec) -> list:
     if kind == "WhitespaceSplit":
         return [("regex", re.compile("[%s]+" % _ranges_body(_WS_RANGES)), "removed", False)]
     if kind == "Whitespace":
-        return [("regex", _compile_onig(r"\w+|[^\w\s]+"), "isolated", False)]
+        # HF: Split(r"\w+|[^\w\s]+", Removed, invert=True) in Rust's regex, whose \w is
+        # UTS#18's word class (join controls and circled letters included), not Oniguruma's.
+        return [("regex", _rust_words(), "removed", True)]
     if kind == "Punctuation":
         behavior = str(spec.get("behavior", "Isolated")).lower()
         return [("regex", _bert_classes()["punct_char"], behavior, False)]
@@ -875,6 +877,18 @@ def _build_pretokenizer(spec) -> list:
     if kind == "CharDelimiterSplit":
         return [("regex", re.compile(re.escape(spec["delimiter"])), "removed", False)]
     raise TokenizerError(f"unsupported pre_tokenizer {kind!r}")
+
+
+# Other_Alphabetic code points outside the marks: circled and squared Latin letters.
+_OTHER_ALPHABETIC = ((0x24B6, 0x24E9), (0x1F130, 0x1F149), (0x1F150, 0x1F169), (0x1F170, 0x1F189))
+
+
+@functools.lru_cache(maxsize=1)
+def _rust_words():
+    word = _ranges_body(list(_category_ranges(frozenset(
+        ["Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "Pc"]))) + [(0x200C, 0x200D)]
+        + list(_OTHER_ALPHABETIC))
+    return re.compile(f"[{word}]+|[^{word}{_ranges_body(_WS_RANGES)}]+")
 
 
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -1493,43 +1507,67 @@ def _bert_tokenizer(tokens: list, lowercase=True, strip_accents=None, chinese=Tr
 def load(path) -> Tokenizer:
     """A tokenizer.json file, or a folder holding tokenizer.json (or vocab.txt for WordPiece)."""
     path = os.fspath(path)
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    config = {}
-    cfg_path = os.path.join(folder, "tokenizer_config.json")
-    if os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, "rb") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise TokenizerError(f"cannot read {cfg_path}: {exc}") from None
-        if not isinstance(config, dict):
-            config = {}
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            path = os.path.join(path, "tokenizer.json")
-        elif os.path.isfile(os.path.join(path, "vocab.txt")):
-            try:
-                with open(os.path.join(path, "vocab.txt"), encoding="utf-8") as f:
-                    tokens = [line.rstrip("\n").rstrip("\r") for line in f]
-            except (OSError, UnicodeDecodeError) as exc:
-                raise TokenizerError(f"cannot read vocab.txt: {exc}") from None
-            while tokens and tokens[-1] == "":
-                tokens.pop()
-            lower = config.get("do_lower_case", True)
-            names = {k: _config_token(config, k + "_token") for k in ("pad", "unk", "cls", "sep",
-                                                                      "mask")}
-            return _bert_tokenizer(tokens, lowercase=bool(lower),
-                                   strip_accents=config.get("strip_accents"),
-                                   chinese=bool(config.get("tokenize_chinese_chars", True)),
-                                   names={k: v for k, v in names.items() if v})
-        else:
+        tok = from_folder(folder_reader(path))
+        if tok is None:
             raise TokenizerError(f"{path} holds neither tokenizer.json nor vocab.txt")
+        return tok
+    folder, name = os.path.split(path)
+    read = folder_reader(folder)
+    data = read(name)
+    if data is None:
+        raise TokenizerError(f"cannot read {path}: no such file")
+    return from_tokenizer_json(data, _config(read))
+
+
+def folder_reader(folder):
+    """read(name) -> bytes, or None when `folder` has no such file: the server-side
+    form of the reader from_folder takes."""
+    def read(name):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise TokenizerError(f"cannot read {path}: {exc}") from None
+    return read
+
+
+def _config(read) -> dict:
+    data = read("tokenizer_config.json")
+    if data is None:
+        return {}
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise TokenizerError(f"cannot read {path}: {exc}") from None
-    return from_tokenizer_json(data, config)
+        config = json.loads(data)
+    except ValueError as exc:
+        raise TokenizerError(f"cannot read tokenizer_config.json: {exc}") from None
+    return config if isinstance(config, dict) else {}
+
+
+def from_folder(read) -> Tokenizer | None:
+    """The tokenizer metadata of one folder, through read(name) -> bytes | None (a server
+    directory or an uploaded package's): tokenizer.json with its tokenizer_config.json,
+    else a WordPiece vocab.txt; None when the folder has neither."""
+    config = _config(read)
+    data = read("tokenizer.json")
+    if data is not None:
+        return from_tokenizer_json(data, config)
+    vocab = read("vocab.txt")
+    if vocab is None:
+        return None
+    try:
+        tokens = [line.rstrip("\r") for line in vocab.decode("utf-8").split("\n")]
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"cannot read vocab.txt: {exc}") from None
+    while tokens and tokens[-1] == "":
+        tokens.pop()
+    names = {k: _config_token(config, k + "_token") for k in ("pad", "unk", "cls", "sep", "mask")}
+    return _bert_tokenizer(tokens, lowercase=bool(config.get("do_lower_case", True)),
+                           strip_accents=config.get("strip_accents"),
+                           chinese=bool(config.get("tokenize_chinese_chars", True)),
+                           names={k: v for k, v in names.items() if v})
 
 
 # --------------------------------------------------------------------------- GGUF metadata

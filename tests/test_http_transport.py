@@ -282,6 +282,36 @@ def test_slow_reader_stalls_only_its_own_producer(thread_server):
     sock.close()
 
 
+@pytest.mark.parametrize("reader", ["reads", "leaves"])
+def test_on_sent_runs_once_the_answer_has_left_or_the_client_has(thread_server, reader):
+    """Response.on_sent (what admin's management-observation credit hangs on) waits for a
+    slow reader to take the whole body, or for it to go away; never before."""
+    body = bytes(range(256)) * (128 << 10)          # 32 MiB: more than the kernel's socket buffers
+    sent = threading.Event()
+
+    def big(server, request):
+        response = Response(200, body, "application/octet-stream")
+        response.on_sent = sent.set
+        return response
+
+    ts = thread_server([("GET", "/big", big)])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.settimeout(10)
+    sock.connect((ts.host, ts.port))
+    sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.5)
+    assert not sent.is_set(), "the body is still in the server's buffer"
+    if reader == "reads":
+        status, _, data = read_response(sock)
+        assert status == 200 and data == body
+    else:
+        sock.close()
+    assert sent.wait(5)
+    sock.close()
+    assert ts.call(lambda: len(ts.server.connections)) == 0 or reader == "reads"
+
+
 def test_disconnect_mid_stream_is_reported_promptly(thread_server):
     producer = Producer()
     ts = thread_server([("GET", "/stream", producer)], output_buffer_bytes=64 << 10)

@@ -322,3 +322,140 @@ def test_a_catalog_whose_every_model_failed_says_so(live_server, tmp_path):
                and "/v1/status" in line for line in lines)
     reg = status_of(server, "bad")
     assert reg["phase"] == "failed" and reg["error"]["code"] == "checkpoint" and "absent.gguf" in reg["error"]["message"]
+
+
+# -- prepare and control modules, asset directories, native-only models -------------------
+
+def split_roles(folder):
+    """affine.loom as a document's three parts: prepare (specs, params), control (policy)
+    and the native providers (kernels, commands), written as .loom text."""
+    from loom import language
+    whole = language.load(SOURCE)
+    parts = {"prepare.loom": language.Module("affine", "embedding", specs=whole.specs, params=whole.params),
+             "control.loom": language.Module("affine", None, policy=whole.policy),
+             "program.loom": language.Module("affine", None, kernels=whole.kernels, commands=whole.commands)}
+    for name, module in parts.items():
+        (folder / name).write_text(language.format_module(module))
+    return list(parts)
+
+
+def embeddings(server, model, inputs):
+    status, body = call(server, "/v1/embeddings", {"model": model, "input": inputs})
+    assert status == 200, body
+    return np.array([d["embedding"] for d in body["data"]])
+
+
+def test_prepare_and_control_modules_are_kept_by_every_variant(server, tmp_path):
+    split_roles(tmp_path)
+    doc = dict(server.doc, prepare="prepare.loom", control="control.loom", sources=["program.loom"],
+               variant_capacity=4)
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    wait_phase(server, "m", "ready")
+    want = reference(*server.expected, [[4, 5]])
+    np.testing.assert_allclose(embeddings(server, "m", [[4, 5]]), want, atol=2e-5, rtol=1e-4)
+    base = json.loads(server.request("GET", "/v1/models/variants", headers={"X-Loom-Model": "m"})[2])["selected"]
+    # A variant supplies only the native providers: the prepare and control modules stay the registration's.
+    (tmp_path / "doubled.loom").write_text((tmp_path / "program.loom").read_text().replace(
+        "1.0f / fmax", "2.0f / fmax"))
+    status, staged = call(server, "/v1/models/variants", {"model": "m", "base": base, "base_directory": str(tmp_path),
+                                                          "sources": ["doubled.loom"]})
+    assert status == 200 and staged["variant"]["phase"] == "ready", staged
+    assert call(server, "/v1/models/variants/select", {"model": "m", "variant": staged["variant"]["id"],
+                                                        "expected": base}) == (200, {"selected": staged["variant"]["id"]})
+    np.testing.assert_allclose(embeddings(server, "m", [[4, 5]]), 2 * want, atol=4e-5, rtol=1e-4)
+    # Sources that declare what the prepare module owns reject, and so does a prepare field in staging.
+    status, failed = call(server, "/v1/models/variants", {"model": "m", "base": base, "base_directory": str(tmp_path),
+                                                          "sources": [SOURCE]})
+    assert status == 422 and failed["variant"]["error"]["code"] == "source"
+    assert "which the prepare module" in failed["variant"]["error"]["message"]
+    status, body = call(server, "/v1/models/variants", {"model": "m", "base": base, "base_directory": str(tmp_path),
+                                                        "sources": ["doubled.loom"], "prepare": "prepare.loom"})
+    assert status == 400 and body["error"]["code"] == "unknown_field" and body["error"]["param"] == "prepare"
+
+
+@pytest.mark.parametrize("prepare,control,sources,needle", [
+    ("program.loom", None, ["prepare.loom"], "a prepare module declares only"),   # roles swapped
+    (None, "prepare.loom", ["program.loom"], "a control module declares only"),
+    ("prepare.loom", None, [SOURCE], "which the prepare module"),                  # sources duplicate its params
+    (None, "control.loom", [SOURCE], "which the control module"),
+])
+def test_a_module_outside_its_role_fails_the_registration(server, tmp_path, prepare, control, sources, needle):
+    split_roles(tmp_path)
+    doc = dict(server.doc, sources=sources, **{k: v for k, v in (("prepare", prepare), ("control", control)) if v})
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    reg = wait_phase(server, "m", "failed")
+    assert reg["error"]["code"] == "source" and needle in reg["error"]["message"], reg["error"]
+    assert "m" not in memory(server)["by_owner"]
+
+
+TOKENS = ["[UNK]", "[CLS]", "[SEP]", "hello", "world", "loom", "package", "server"]
+
+
+def wordpiece(vocab):
+    return json.dumps({"version": "1.0", "added_tokens": [], "normalizer": None,
+                       "pre_tokenizer": {"type": "Whitespace"},
+                       "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                                 "max_input_chars_per_word": 100, "vocab": {t: i for i, t in enumerate(vocab)}}})
+
+
+def tokenize(server, model, text):
+    status, body = call(server, "/tokenize", {"model": model, "content": text})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def test_an_upload_reads_its_own_metadata_while_checkpoint_bytes_stay_on_the_server(server, tmp_path):
+    """PROFILES' checkpoint:"." example: tokenizer metadata from the package, weights
+    from base_directory; a server tokenizer.json beside them is not consulted."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (tmp_path / "m.gguf").rename(checkpoints / "m.gguf")
+    (checkpoints / "tokenizer.json").write_text(wordpiece(list(reversed(TOKENS))))    # the server's: other ids
+    split_roles(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(wordpiece(TOKENS))
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text(wordpiece(TOKENS[:3] + ["world", "hello"]))
+
+    def register(name, **fields):
+        (tmp_path / "r.json").write_text(json.dumps(dict(
+            {"model": name, "kind": "embedding", "prepare": "prepare.loom", "control": "control.loom",
+             "sources": ["program.loom"], "checkpoint": ".", "base_directory": str(checkpoints)}, **fields)))
+        return curl_form(server, "/v1/models/register", f"request=@{tmp_path}/r.json;filename=pkg/r.json",
+                         *(f"file=@{tmp_path}/{f};filename=pkg/{f}" for f in
+                           ("prepare.loom", "control.loom", "program.loom", "tokenizer.json", "tok/tokenizer.json")))
+
+    assert register("up")["object"] == "registration"
+    assert register("assets", assets="tok")["object"] == "registration"
+    wait_phase(server, "up", "ready")
+    wait_phase(server, "assets", "ready")
+    assert tokenize(server, "up", "hello world") == [3, 4]
+    assert tokenize(server, "assets", "hello world") == [4, 3]
+    np.testing.assert_allclose(embeddings(server, "up", ["hello world"]),
+                               reference(*server.expected, [[3, 4]]), atol=2e-5, rtol=1e-4)
+    # The same document as server files reads the server's tokenizer beside the checkpoint.
+    assert call(server, "/v1/models/register", {"model": "local", "kind": "embedding", "sources": [SOURCE],
+                                                "checkpoint": ".", "base_directory": str(checkpoints)})[0] == 202
+    wait_phase(server, "local", "ready")
+    assert tokenize(server, "local", "hello world") == [4, 3]
+    # An asset directory or module the package lacks fails the request; nothing registers.
+    body = register("missing", assets="nowhere")
+    assert body["error"]["code"] == "missing_member" and body["error"]["param"] == "assets"
+    body = register("missing", control="absent.loom")
+    assert body["error"]["code"] == "missing_member" and body["error"]["param"] == "control"
+    assert status_of(server, "missing") is None
+
+
+def test_a_native_only_model_has_no_http_inference_but_keeps_its_utilities(server, tmp_path):
+    (tmp_path / "tokenizer.json").write_text(wordpiece(TOKENS))
+    assert call(server, "/v1/models/register", dict(server.doc, endpoint=False, variant_capacity=2))[0] == 202
+    wait_phase(server, "m", "ready")
+    model = next(m for m in json.loads(server.request("GET", "/v1/models")[2])["data"] if m["id"] == "m")
+    assert "endpoint" not in model["loom"] and model["loom"]["kind"] == "embedding" and model["loom"]["tokenize"]
+    status, body = call(server, "/v1/embeddings", {"model": "m", "input": [[1, 2]]})
+    assert status == 404 and body["error"]["code"] == "model_not_found" and "native-only" in body["error"]["message"]
+    assert tokenize(server, "m", "loom server") == [5, 7]
+    assert call(server, "/detokenize", {"model": "m", "tokens": [3, 4]}) == (200, {"content": "hello world"})
+    status, _, inv = server.request("GET", "/v1/models/variants", headers={"X-Loom-Model": "m"})
+    assert status == 200 and json.loads(inv)["count"] == 1
+    assert call(server, "/v1/models/drain", {"model": "m"}) == (200, {"model": "m", "admission": "drained"})
+    assert call(server, "/v1/models/unregister", {"model": "m"})[0] == 202

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import _start_live, read_response
+from conftest import _start_live
 
 JSON = {"Content-Type": "application/json"}
 

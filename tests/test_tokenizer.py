@@ -201,6 +201,17 @@ def wordpiece_spec():
     return json.loads(tok.to_str())
 
 
+def whitespace_spec():
+    """WordPiece behind HF's Whitespace pre-tokenizer (words and punctuation runs; the
+    whitespace between them is dropped, not kept as pieces)."""
+    tok = HFTokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=40))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(training_corpus(), trainers.WordPieceTrainer(
+        vocab_size=700, special_tokens=["[UNK]"], show_progress=False, limit_alphabet=120))
+    return json.loads(tok.to_str())
+
+
 def flagged_spec(base):
     """Added tokens with lstrip/rstrip/single_word/normalized flags on top of a trained file."""
     hf = HFTokenizer.from_str(json.dumps(base))
@@ -237,6 +248,7 @@ BUILDERS = {
     "sp_cross": lambda: sp_spec(cross_words=True),
     "sp_metaspace": sp_metaspace_spec,
     "wordpiece": wordpiece_spec,
+    "whitespace": whitespace_spec,
     "minilm": minilm_spec,
     "gpt2_flags": lambda: flagged_spec(byte_level_spec("gpt2")),
     "sp_flags": lambda: flagged_spec(sp_spec()),

@@ -184,3 +184,41 @@ def test_unregister_withdraws_waiting_compilation_readers(thread_server, tmp_pat
     time.sleep(1.5)  # the held compilation still completes and is then dropped with the model
     assert ts.call(lambda: "m" in ts.server.registry.registrations) is False
     assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("m")) is None
+
+
+def test_management_observation_credit_bounds_open_observations(thread_server, tmp_path):
+    """Staged compilations hold the credit until they settle: the ninth observation at
+    once (staging, inventory, detail, selection, removal) answers 429, and everything
+    comes back once they have."""
+    from loom.admin import MANAGEMENT_CREDIT
+    write_gguf(tmp_path / "m.gguf", "F32", seed=1)
+    (tmp_path / "doubled.loom").write_text(DOUBLED)
+    ts = thread_server(device="cpu")
+    assert call(ts, "/v1/models/register", {"model": "m", "kind": "embedding", "sources": [SOURCE],
+                                            "checkpoint": "m.gguf", "base_directory": str(tmp_path),
+                                            "variant_capacity": MANAGEMENT_CREDIT + 4})[0] == 202
+    wait_phase(ts, "m", "ready")
+    stage = {"model": "m", "base": inventory(ts)[1]["selected"], "base_directory": str(tmp_path),
+             "sources": ["doubled.loom"]}
+    status, spare = call(ts, "/v1/models/variants", stage)          # ready, unselected: removable
+    assert status == 200
+    spare = spare["variant"]["id"]
+    prepared = ts.server.registry.registrations["m"].prepared
+    original = prepared.compile_layout
+    prepared.compile_layout = lambda *a: ts.server.loop.call_later(2.0, original, *a)
+    for _ in range(MANAGEMENT_CREDIT):
+        assert call(ts, "/v1/models/variants", dict(stage, wait=False))[0] == 202
+    for status, body in (call(ts, "/v1/models/variants", dict(stage, wait=False)), inventory(ts),
+                         inventory(ts, **{"X-Loom-Variant": str(spare)}),
+                         call(ts, "/v1/models/variants/select", {"model": "m", "variant": spare,
+                                                                 "expected": stage["base"]}),
+                         call(ts, "/v1/models/variants/remove", {"model": "m", "variant": spare})):
+        assert status == 429 and body["error"]["code"] == "management_credit", body
+    assert ts.call(lambda: len(prepared.variants)) == MANAGEMENT_CREDIT + 2      # the refusals added nothing
+    deadline = time.monotonic() + 30
+    while inventory(ts)[0] == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    status, inv = inventory(ts)
+    assert status == 200 and all(v["phase"] == "ready" for v in inv["data"]) and inv["selected"] == stage["base"]
+    assert call(ts, "/v1/models/variants/remove", {"model": "m", "variant": spare}) == (200, {"removed": spare})
+    assert ts.call(lambda: ts.server.registry.registrations["m"].observations) == 0
