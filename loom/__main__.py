@@ -60,6 +60,12 @@ def parser():
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     p.add_argument("--workers", type=_positive_int, default=d.workers,
                    help="threads of the shared CPU executor (tokenizing, decoding, rendering)")
+    p.add_argument("--registrations", type=_positive_int, default=d.registrations,
+                   help="models registered at once (catalog included); more registrations answer 429")
+    p.add_argument("--package_bytes", type=_positive_int, default=d.package_bytes,
+                   help="uploaded package bytes all registrations may retain; more answer 429")
+    p.add_argument("--prepare_timeout", type=_positive_float, default=d.prepare_timeout,
+                   help="seconds a model's preparation (reading, uploading, probing) may take; then it fails")
     p.add_argument("--log_capacity", type=_positive_int, default=d.log_capacity,
                    help="entries kept in the /logz ring")
     p.add_argument("--log_level", default=d.log_level, choices=["debug", "info", "warning", "error"],
@@ -90,7 +96,9 @@ def main(argv=None):
                     header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                     workers=args.workers, log_capacity=args.log_capacity, log_level=args.log_level,
-                    models=args.models, device=args.device, memory_bytes=args.memory_bytes)
+                    models=args.models, device=args.device, memory_bytes=args.memory_bytes,
+                    registrations=args.registrations, package_bytes=args.package_bytes,
+                    prepare_timeout=args.prepare_timeout)
     server = Server(config)
     configure_logging(args.log_level, server.logs)
     try:

@@ -30,6 +30,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from . import open_regular
+
 DTYPES = ("f32", "f16", "i32", "weight")
 ARG_TYPES = ("buf", "int", "float")
 KINDS = ("text", "sequence", "embedding", "decision", "image", "speech", "recognition")
@@ -563,6 +565,11 @@ def parse(text, source=None, checked=True):
 
 # -- checking ----------------------------------------------------------------------
 
+# Preprocessor file access in any spelling: '#', the digraph '%:' or the trigraph '??=',
+# then include/include_next/import/embed; and the __has_include family.
+_FILE_DIRECTIVE = re.compile(r"(?:#|%:|\?\?=)\s*(?:include|import|embed)|__has_(?:include|embed)")
+
+
 def check(module, source=None):
     """Resolve names and validate a module's structure (used for text and binary alike)."""
     def fail(message):
@@ -589,6 +596,9 @@ def check(module, source=None):
         for code in ([s.page] if s.page else []) + s.dims:
             _check_expr(code, specs, f"state {s.name}", fail)
     for k in module.kernels:
+        if k.source is not None and _FILE_DIRECTIVE.search(k.source.replace("\\\n", "")):
+            fail(f"kernel {k.name}: an inline source may not include files (#include, #import, #embed, "
+                 "__has_include); library kernels are named with from \"file.cl\"")
         names = set(specs)
         for arg in k.args:
             if arg.name in names:
@@ -906,7 +916,7 @@ def merge(parts, names=None):
 
 def load(path, checked=True):
     """A module from .loom text or .loombc binary, by content."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = f.read()
     return load_bytes(data, path, checked)
 

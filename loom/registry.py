@@ -160,6 +160,8 @@ class Registration:
         self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
         self.staging = 0            # staged variants still compiling: they hold the compiler's model ownership
         self.observations = 0       # management observations open (admin.py's credit)
+        self.deadline = None        # the --prepare_timeout timer while preparing
+        self.timed_out = False      # preparation passed it: whatever the worker returns is released
         self.package = None         # an uploaded source package, retained until the model retires
         self.files = None           # where its code, metadata and checkpoint come from (Files)
 
@@ -320,6 +322,16 @@ class Registry:
                              f"(served kinds: {', '.join(self.kinds)})", "unsupported_kind", "kind")
         if doc["model"] in self.registrations:
             raise Error(409, f"model {doc['model']!r} is already registered", "duplicate_model", "model")
+        cfg = self.server.config
+        if len(self.registrations) >= cfg.registrations:
+            raise Error(429, f"{len(self.registrations)} models are registered, the server's limit "
+                             "(--registrations); unregister one first", "registration_limit", "model")
+        if package is not None:
+            retained = sum(r.package.nbytes for r in self.registrations.values() if r.package is not None)
+            if retained + package.nbytes > cfg.package_bytes:
+                raise Error(429, f"registrations retain {retained} package bytes; this package's {package.nbytes} "
+                                 f"would pass the server's limit of {cfg.package_bytes} (--package_bytes)",
+                            "package_limit", "model")
         base = doc.get("base_directory") or base_directory
         if base is not None and not os.path.isabs(base):
             raise Error(400, "base_directory must be an absolute path", "invalid_value", "base_directory")
@@ -364,6 +376,10 @@ class Registry:
                                    progress, loaded=files.loaded, preserved=files.preserved, assets=files.assets)
 
         def finished(prepared, error):
+            if reg.timed_out:       # this answer is too late: the registration has already failed
+                if prepared is not None:
+                    prepared.release()
+                return
             if error is not None:
                 self.server.loop.call_soon(self._prepared, reg)
                 code = error.code if isinstance(error, Problem) else "internal"
@@ -379,12 +395,28 @@ class Registry:
             self._probe(reg, prepared)
 
         loop.run_in_executor(work, finished)
+        reg.deadline = loop.call_later(self.server.config.prepare_timeout, self._timed_out, reg)
+
+    def _timed_out(self, reg):
+        """A preparation past --prepare_timeout fails, and the next one may start; a worker
+        still stuck in it is left to finish, and what it then returns is released."""
+        if self.preparing is not reg or reg.phase not in ("preparing", "removing"):
+            return
+        reg.timed_out = True
+        self._prepared(reg)
+        self._failed(reg, "prepare_timeout", f"preparation took longer than {self.server.config.prepare_timeout:g} "
+                                            "seconds (--prepare_timeout)")
+        if reg.removing:
+            self._remove(reg)
 
     def _probe(self, reg, prepared):
         """Compile the kind's stage commands at a small geometry before declaring the
         model ready: a package whose kernels do not build fails its registration
         (phase failed, code compile) instead of failing its first requests."""
         def probed(failure, _results):
+            if reg.timed_out:
+                prepared.release()
+                return
             if failure is None:
                 self._ready(reg, prepared)
                 return
@@ -399,6 +431,8 @@ class Registry:
         compile_probes(reg, prepared, prepared.binding, prepared.sources, probed)
 
     def _ready(self, reg, prepared):
+        if reg.deadline is not None:
+            self.server.loop.cancel_timer(reg.deadline)
         self.server.loop.call_soon(self._prepared, reg)   # the next preparation may start
         if reg.removing:
             prepared.release()
@@ -418,6 +452,8 @@ class Registry:
         self._settle(reg)
 
     def _failed(self, reg, code, message):
+        if reg.deadline is not None:
+            self.server.loop.cancel_timer(reg.deadline)
         reg.transition("failed")
         reg.error = {"code": code, "message": message}
         log.error("preparing %s failed (%s): %s", reg.name, code, message,
@@ -559,11 +595,18 @@ class Registry:
     def enter(self, reg, job):
         """Pass the admission gate: job.start(error) runs once it may use the
         device. A drained gate queues (bounded by pending_capacity, then 503)."""
+        capacity = reg.doc["pending_capacity"]
         if reg.admission != "open" or reg.waiting:
-            if len(reg.waiting) >= reg.doc["pending_capacity"]:
-                raise Error(503, f"model {reg.name!r} has a full queue", "queue_full", "model")
+            if len(reg.waiting) >= capacity:
+                raise Error(503, f"model {reg.name!r} has a full queue", "queue_full", "model",
+                            headers=[("Retry-After", "1")])
             reg.waiting.append(job)
             return
+        backlog = reg.engine.backlog() if reg.engine is not None and job.resident else 0
+        if backlog >= capacity:
+            # Open admission is bounded too: requests accepted but not yet running.
+            raise Error(503, f"model {reg.name!r} has {backlog} requests waiting to run (pending_capacity "
+                             f"{capacity})", "queue_full", "model", headers=[("Retry-After", "1")])
         self._start(reg, job)
 
     def enter_ungated(self, reg, job):

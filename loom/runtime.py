@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from . import language, vm, weights
-from .device import DriverError
+from . import open_regular
 from .errors import Problem
 from .language import LoomError
 
@@ -72,7 +72,7 @@ def read_preserved(modules):
     out = []
     for role, path, data in modules:
         if data is None:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 data = f.read()
         out.append((role, path, data))
     return out
@@ -226,8 +226,10 @@ class Prepared:
             try:
                 plan = ExecPlan(self, layout, built, binding)
                 error = None
-            except (LoomError, DriverError, KeyError) as e:
-                plan, error = None, PrepareError(str(e), "plan")
+            except Problem as e:        # OutOfDeviceMemory keeps its code (503); the waiters still answer
+                plan, error = None, e
+            except Exception as e:      # whatever went wrong, every waiter gets its answer
+                plan, error = None, PrepareError(f"{type(e).__name__}: {e}", "plan")
             if plan is not None:
                 self.plans[key] = plan
                 while len(self.plans) > PLAN_CACHE:
@@ -239,14 +241,19 @@ class Prepared:
     def resident(self):
         return bool(self.params) or not self.binding.params
 
+    def release_plans(self):
+        """Drop every cached plan and its scratch (trim); plans are rebuilt on demand
+        from the compiler's cache. Queued kernels keep their buffers in the driver."""
+        for plan in self.plans.values():
+            plan.release()
+        self.plans.clear()
+
     def evict(self):
         """Drop the parameters (and the plans bound to them); state and binding stay.
         Returns the bytes freed. Kernels already queued keep their buffers alive in
         the driver until they retire, so this is safe with work in flight."""
         freed = self.param_bytes()
-        for plan in self.plans.values():
-            plan.release()
-        self.plans.clear()
+        self.release_plans()
         for buf in set(self.params.values()):
             buf.release()
         self.params.clear()

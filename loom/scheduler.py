@@ -148,6 +148,10 @@ class CohortEngine:
     def stats(self):
         return {"cohorts": self.steps, "requests": self.requests}
 
+    def backlog(self):
+        """Requests accepted but not yet running: what pending_capacity bounds."""
+        return 0
+
     def release_idle(self):
         """Drop reclaimable retained state (trim); an engine without any holds none."""
 
@@ -176,6 +180,9 @@ class BatchEngine(CohortEngine):
 
     def stats(self):
         return dict(super().stats(), waiting=len(self.queue))
+
+    def backlog(self):
+        return len(self.queue)
 
     def form(self):
         jobs, tokens, inputs = [], 0, 0
@@ -285,6 +292,9 @@ class TextEngine(CohortEngine):
 
     def retained(self):
         return self.stats()
+
+    def backlog(self):
+        return len(self.waiting)
 
     def take_control(self, fn):
         """The deployment's one retained-state control slot: pin, suspend and delete run

@@ -54,6 +54,9 @@ class Config:
     log_level: str = "info"
     device: str | None = None
     memory_bytes: int | None = None
+    registrations: int = 64                 # registered models at once; more answer 429
+    package_bytes: int = 256 << 20          # uploaded package bytes retained by all registrations
+    prepare_timeout: float = 600.0          # seconds a preparation may take before it fails
 
 
 class Listener:
@@ -266,6 +269,11 @@ class Connection:
         server.requests[request.id] = request
         response = server.handle(request)
         if self.closed:
+            # Gone while its handler ran: whatever the answer holds is let go.
+            if isinstance(response, Stream):
+                response.abort("disconnect")
+            elif isinstance(response, Deferred):
+                response.cancel()
             return
         if isinstance(response, Deferred):
             request.state = "waiting"
@@ -285,9 +293,13 @@ class Connection:
         head_only = request.method == "HEAD"
         if isinstance(response, Stream):
             request.state = "streaming"
-            self.write(response.head_bytes(request.keep_alive, chunked=True))
+            # Held before the first send: a send that fails aborts the stream, which
+            # frees its row (a reset client used to wedge it).
             self.stream = response
             self.response_status = response.status
+            self.write(response.head_bytes(request.keep_alive, chunked=True))
+            if self.closed:
+                return
             if head_only:
                 response.abort("head")
                 self.complete()
@@ -302,7 +314,8 @@ class Connection:
         if response.on_sent is not None:
             self.sent.append(response.on_sent)
             self._sent()
-        self.complete()
+        if not self.closed:     # else the failed send has already ended the request (499)
+            self.complete()
 
     # Stream sink protocol (see http.Stream).
     def has_credit(self):

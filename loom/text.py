@@ -172,6 +172,12 @@ def _sampling(policy, body):
     return values
 
 
+def _text_chars(content):
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text") or "") for part in content or ())
+
+
 def _validated(server, request):
     """The shared front half of /v1/chat/completions and its input_tokens count:
     every field checked, the policy's framing applied. -> (body, reg, policy, prompt text)."""
@@ -200,10 +206,19 @@ def _validated(server, request):
     options = policy.options(body.get("model_options"))     # 400 before admission; rendered below
     messages, tools, thinking = body["messages"], body.get("tools"), body.get("enable_thinking")
     tok = reg.prepared.tokenizer
+    context = reg.doc["context_length"]
+    bound = tok.text_bound(context)
+    chars = sum(_text_chars(m.get("content")) for m in messages)
+    if bound is not None and chars > bound:
+        # Surely over the context: refused here, before a worker spends seconds tokenizing it.
+        raise Error(400, f"the messages hold {chars} characters, more than a context of {context} tokens can "
+                         "take", "context_length_exceeded", "messages")
 
     def prompt():
-        """On the CPU executor, as the model's one policy borrower: framing, then tokens."""
-        return tok.encode(policy.render(messages, tools, thinking, model_options=options), add_special=False)
+        """On the CPU executor, as the model's one policy borrower: framing, then tokens
+        (stopping once past the context: the caller refuses those)."""
+        return tok.encode(policy.render(messages, tools, thinking, model_options=options), add_special=False,
+                          limit=context)
 
     return body, reg, policy, prompt
 
@@ -284,8 +299,8 @@ class CountJob(kinds.Job):
         if error is not None:     # a framing refusal (ChatError) keeps its status; else the tokenizer broke
             self.finish(error=error if isinstance(error, Problem) else
                         Error(500, f"tokenizer failed: {error}", "tokenizer_failed"))
-        elif len(ids) > context:
-            self.finish(error=Error(400, f"the input has {len(ids)} tokens, over the context length {context}",
+        elif len(ids) > context:    # the count stopped there: the input is longer still
+            self.finish(error=Error(400, f"the input is over the context length of {context} tokens",
                                         "context_length_exceeded", "messages"))
         else:
             self.finish(Response.json({"input_tokens": len(ids)}))
@@ -391,7 +406,8 @@ class ChatJob(StreamingJob):
             return
         context = self.reg.doc["context_length"]
         if len(ids) + self.limit > context:
-            self.finish(error=Error(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({self.limit}) "
+            size = f"{len(ids)} tokens" if len(ids) <= context else f"over {context} tokens"
+            self.finish(error=Error(400, f"the prompt ({size}) plus max_tokens ({self.limit}) "
                                              f"exceeds the context length {context}", "context_length_exceeded",
                                         "messages"))
             return
@@ -780,6 +796,9 @@ class ChatEngine(TextEngine):
         self.counting = 0
         self.policy_waiting = collections.deque()
         self.policy_busy = False
+
+    def backlog(self):
+        return super().backlog() + len(self.policy_waiting)
 
     def borrow_policy(self, fn, done):
         """fn() on the CPU executor as the model's one source-policy borrower (template

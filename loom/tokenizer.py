@@ -26,6 +26,8 @@ import unicodedata
 
 import numpy as np
 
+from . import open_regular
+
 try:  # the Cython merge loop; without it the pure-Python loop gives the same ids, slower
     from ._native import bpe as _native_bpe
 except ImportError:  # pragma: no cover - depends on the build
@@ -1207,7 +1209,24 @@ class Tokenizer:
         return [p for p, _ in pieces if p]
 
     # -- public API
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list:
+    @functools.cached_property
+    def max_token_chars(self):
+        """The most characters one token stands for, or None when a token can stand for
+        any number (WordPiece's unknown word)."""
+        if isinstance(self._model, _WordPiece):
+            return None
+        return max(map(len, self._id_to_token.values()), default=1)
+
+    def text_bound(self, tokens: int):
+        """A length in characters past which a text surely encodes to more than `tokens`
+        tokens (normalization may shrink text, so with a 4x margin); None if unbounded.
+        Lets a caller refuse a huge text without spending a worker (and the GIL) on it."""
+        longest = self.max_token_chars
+        return None if longest is None else 4 * longest * (tokens + 1) + 1024
+
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True, limit=None) -> list:
+        """Token ids of `text`. With `limit`, encoding stops soon after the ids pass it
+        (the result is then longer than limit, and incomplete)."""
         if not isinstance(text, str):
             raise TokenizerError("text must be a string")
         try:
@@ -1216,6 +1235,7 @@ class Tokenizer:
             raise TokenizerError("text contains unpaired surrogates") from None
         ids: list = []
         pieces: list = []
+        stop = limit
         if text:
             self._raw_added.split(text, True, parse_special, pieces)
         cached, word, limit = self._cached_word, self._word, _CACHE_WORD_CHARS
@@ -1239,6 +1259,8 @@ class Tokenizer:
                     continue
                 for w in self._words(*part):
                     ids.extend(cached(w) if len(w) <= limit else word(w))
+                    if stop is not None and len(ids) > stop:
+                        return ids
         if add_special:
             ids = self._prefix_ids + ids + self._suffix_ids
         return ids
@@ -1528,7 +1550,7 @@ def folder_reader(folder):
         if not os.path.isfile(path):
             return None
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 return f.read()
         except OSError as exc:
             raise TokenizerError(f"cannot read {path}: {exc}") from None

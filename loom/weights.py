@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import open_regular
+
 __all__ = [
     "WeightsError", "TensorInfo", "Checkpoint", "open_checkpoint",
     "dequantize_blocks", "quantize", "BLOCK_LAYOUT", "write_safetensors",
@@ -154,7 +156,7 @@ def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
 def _map_file(path: str, minimum: int, what: str) -> mmap.mmap:
     """Memory-map a whole file read-only, refusing files too short to hold a header."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < minimum:
                 raise _fail(path, f"the file has {size} bytes; {what} needs at least {minimum}")
@@ -198,7 +200,7 @@ _MAX_JSON_FILE = 64 << 20   # index and config files: real ones are kilobytes
 
 def _read_json_file(path: str, what: str):
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(_MAX_JSON_FILE + 1)
     except OSError as e:
         raise _fail(path, f"cannot read: {e.strerror or e}") from None

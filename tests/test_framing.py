@@ -61,6 +61,17 @@ class TestValid:
         assert err is None and state == "idle"
         assert r == ("GET", "/healthz", 11, [("host", "x")], b"", True)
 
+    @pytest.mark.parametrize("host", [b"x", b"localhost:8080", b"[::1]:80", b"127.0.0.1", b"", b"a.b-c_d~1",
+                                      b"xn--caf-dma.example:"])
+    def test_hosts(self, mod, host):
+        (r,), err, _ = parse_all(mod, req(b"GET / HTTP/1.1\nHost: " + host + b"\n"))
+        assert err is None and r[3] == [("host", host.decode())]
+
+    def test_whitespace_before_a_chunk_extension(self, mod):
+        (r,), err, _ = parse_all(mod, req(b"POST / HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n",
+                                          b"3 ;a=b\r\nabc\r\n0\r\n\r\n"))
+        assert err is None and r[4] == b"abc"
+
     def test_chunked_decoded_with_extensions_and_trailers(self, mod):
         (r,), err, _ = parse_all(mod, CHUNKED)
         assert err is None
@@ -130,6 +141,11 @@ REJECTS = [
     ("expect", req(b"POST / HTTP/1.1\nHost: x\nExpect: 100-continue\nContent-Length: 1\n"), 417, "expectation_failed"),
     ("no_host", req(b"GET / HTTP/1.1\n"), 400, "invalid_host"),
     ("two_hosts", req(b"GET / HTTP/1.1\nHost: a\nHost: b\n"), 400, "invalid_host"),
+    ("host_with_space", req(b"GET / HTTP/1.1\nHost: a b\n"), 400, "invalid_host"),      # issue 15.7
+    ("host_list", req(b"GET / HTTP/1.1\nHost: a, b\n"), 400, "invalid_host"),
+    ("host_bad_port", req(b"GET / HTTP/1.1\nHost: a:8x\n"), 400, "invalid_host"),
+    ("chunk_size_trailing_space", req(b"POST / HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n", b"3 \r\nabc\r\n0\r\n\r\n"),
+     400, "malformed_chunk"),
     ("bare_lf", b"GET / HTTP/1.1\nHost: x\r\n\r\n", 400, "bare_line_ending"),
     ("obs_fold", req(b"GET / HTTP/1.1\nHost: x\nX-A: a\n b\n"), 400, "obsolete_line_folding"),
     ("space_before_colon", req(b"GET / HTTP/1.1\nHost : x\n"), 400, "malformed_header"),

@@ -129,6 +129,11 @@ BAD_SOURCES = [
     ("module x\npolicy {\"a\": 1, \"a\": 2}", 2, 8, "not strict JSON"),
     ("module x\nspec a = 1 $", 2, 12, "unexpected character"),
 ]
+# Issue 15.7: an inline kernel reads no server file, in any preprocessor spelling.
+for directive in ('#include "/etc/passwd"', ' #  include <x.h>', '%:include "a"', '??=include "a"',
+                  '#import "a"', '#embed "a"', '#if __has_include("/etc/passwd")\n#endif', '#inc\\\nlude "a"'):
+    BAD_SOURCES.append((f'module x\nkernel k(a: buf) source """{directive}\n__kernel void k() {{}}""" grid [1]',
+                        None, None, "may not include files"))
 
 
 @pytest.mark.parametrize("text,line,col,message", BAD_SOURCES, ids=[b[3] for b in BAD_SOURCES])

@@ -459,3 +459,68 @@ def test_a_native_only_model_has_no_http_inference_but_keeps_its_utilities(serve
     assert status == 200 and json.loads(inv)["count"] == 1
     assert call(server, "/v1/models/drain", {"model": "m"}) == (200, {"model": "m", "admission": "drained"})
     assert call(server, "/v1/models/unregister", {"model": "m"})[0] == 202
+
+
+# -- bounds: registrations, retained packages, preparation time (issue 15.5, 15.6) -----------
+
+def test_a_source_that_is_a_fifo_fails_at_once_and_blocks_nothing(server, tmp_path):
+    os.mkfifo(tmp_path / "pipe.loom")
+    assert call(server, "/v1/models/register", dict(server.doc, sources=[str(tmp_path / "pipe.loom")]))[0] == 202
+    reg = wait_phase(server, "m", "failed", timeout=10)
+    assert reg["error"]["code"] == "source" and "not a regular file" in reg["error"]["message"]
+    assert call(server, "/v1/models/register", dict(server.doc, model="after"))[0] == 202
+    wait_phase(server, "after", "ready")
+    assert call(server, "/v1/models/unregister", {"model": "m"})[0] == 202
+    deadline = time.monotonic() + 10
+    while status_of(server, "m") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status_of(server, "m") is None
+
+
+def test_registration_count_and_retained_package_bytes_are_bounded(thread_server, tmp_path):
+    write_gguf(tmp_path / "m.gguf", "F32", seed=3)
+    ts = thread_server(device="cpu", registrations=2, package_bytes=len(open(SOURCE, "rb").read()) * 3 // 2)
+    doc = {"kind": "embedding", "sources": [SOURCE], "checkpoint": "m.gguf", "base_directory": str(tmp_path)}
+    assert call(ts, "/v1/models/register", dict(doc, model="a"))[0] == 202
+    (tmp_path / "r.json").write_text(json.dumps(dict(doc, model="b", sources=["affine.loom"])))
+    upload = [f"request=@{tmp_path}/r.json;filename=r.json", f"file=@{SOURCE};filename=affine.loom"]
+    assert curl_form(ts, "/v1/models/register", *upload)["object"] == "registration"
+    status, body = call(ts, "/v1/models/register", dict(doc, model="c"))
+    assert status == 429 and body["error"]["code"] == "registration_limit", body
+    assert call(ts, "/v1/models/unregister", {"model": "a"})[0] == 202
+    deadline = time.monotonic() + 10
+    while status_of(ts, "a") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Room for a registration again, but not for a second retained package.
+    (tmp_path / "r.json").write_text(json.dumps(dict(doc, model="c", sources=["affine.loom"])))
+    body = curl_form(ts, "/v1/models/register", *upload)
+    assert body["error"]["code"] == "package_limit", body
+    assert status_of(ts, "c") is None
+    assert call(ts, "/v1/models/register", dict(doc, model="c"))[0] == 202
+
+
+def test_a_preparation_past_its_timeout_fails_and_the_next_one_runs(thread_server, tmp_path, monkeypatch):
+    from loom import runtime
+    write_gguf(tmp_path / "m.gguf", "F32", seed=3)
+    real, released = runtime.prepare, threading.Event()
+
+    def slow(name, *args, **kwargs):
+        prepared = real(name, *args, **kwargs)
+        if name == "slow":
+            time.sleep(2.5)             # a worker stuck in reading a file, say
+            original = prepared.release
+            prepared.release = lambda: (original(), released.set())
+        return prepared
+
+    monkeypatch.setattr(runtime, "prepare", slow)
+    ts = thread_server(device="cpu", prepare_timeout=0.5)
+    doc = {"kind": "embedding", "sources": [SOURCE], "checkpoint": "m.gguf", "base_directory": str(tmp_path)}
+    assert call(ts, "/v1/models/register", dict(doc, model="slow"))[0] == 202
+    assert call(ts, "/v1/models/register", dict(doc, model="next"))[0] == 202
+    reg = wait_phase(ts, "slow", "failed", timeout=5)
+    assert reg["error"]["code"] == "prepare_timeout"
+    wait_phase(ts, "next", "ready", timeout=20)       # its preparation did not wait for the stuck one
+    status, body = call(ts, "/v1/embeddings", {"model": "slow", "input": [[1]]})
+    assert status == 422 and body["error"]["code"] == "model_failed"
+    assert released.wait(10)                            # the late result was let go
+    assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("slow")) is None

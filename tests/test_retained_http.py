@@ -5,6 +5,7 @@ Every test leaves the deployments' KV pools back at their baseline."""
 
 import base64
 import json
+import os
 import re
 import threading
 import time
@@ -450,3 +451,101 @@ def test_checkpoint_names_get_clear_answers(server, name, session):
     pinned = status == 201
     status, body = post(server, path, method="DELETE", headers={"X-Loom-Model": "scout"})
     assert status == 200 if pinned else status in (400, 404), (name, body)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/sequences", {"model": "encoder", "position": 0, "token_ids": list(range(200))}),
+    ("/v1/chat/completions", {"model": "scout", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+                              "stream": True}),
+])
+def test_a_client_reset_before_the_answer_frees_its_row(server, baseline, path, body):
+    """Issue 15.1: a reset (SO_LINGER 0) right after the request used to leave the row
+    active forever: the failed first send aborted nothing, so the stream never closed."""
+    import socket
+    import struct
+    data = json.dumps(body).encode()
+    for _ in range(4):
+        s = socket.create_connection((server.host, server.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % (path.encode(), len(data)) + data)
+        s.close()
+    model = body["model"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (scheduler(server, model)["active"] or scheduler(server, model)["waiting"]):
+        time.sleep(0.1)
+    sched = scheduler(server, model)
+    assert sched["active"] == 0 and sched["waiting"] == 0, sched
+    requests = json.loads(server.request("GET", "/v1/requests")[2])["data"]
+    assert [r for r in requests if r.get("route") == path] == []
+    # and the deployment still serves
+    status, _, raw = server.request("POST", path, body=data, headers=JSON)
+    assert status == 200 and b"data:" in raw
+
+
+def test_pending_capacity_bounds_open_admission(server, baseline):
+    """Issue 15.3: with the gate open, requests beyond the rows wait up to
+    pending_capacity; one more answers 503 queue_full at once, and nothing leaks."""
+    from loom import demo
+    doc = {"model": "narrow", "kind": "text", "sources": ["llama.loom"], "checkpoint": demo.scout_dir(),
+           "base_directory": os.path.join(demo.MODELS, "llama"), "rows": 1, "pending_capacity": 1,
+           "context_length": 2048, "max_output_tokens": 2000}
+    assert post(server, "/v1/models/register", doc)[0] == 202
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            m["id"] == "narrow" for m in json.loads(server.request("GET", "/v1/models")[2])["data"]):
+        time.sleep(0.1)
+    body = {"model": "narrow", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    results = {}
+
+    def run(name, n):
+        results[name] = post(server, "/v1/chat/completions", dict(body, max_tokens=n))
+
+    first = threading.Thread(target=run, args=("first", 1500))
+    first.start()
+    while scheduler(server, "narrow")["active"] == 0:
+        time.sleep(0.01)
+    second = threading.Thread(target=run, args=("second", 4))
+    second.start()
+    while scheduler(server, "narrow")["waiting"] == 0 and first.is_alive():
+        time.sleep(0.01)
+    assert first.is_alive(), "the first request must still hold the row"
+    started = time.monotonic()
+    status, error = post(server, "/v1/chat/completions", dict(body, max_tokens=4))
+    assert status == 503 and error["error"]["code"] == "queue_full", error
+    assert time.monotonic() - started < 1.0           # refused at once, not queued
+    first.join(60)
+    second.join(60)
+    assert results["first"][0] == 200 and results["second"][0] == 200
+    sched = scheduler(server, "narrow")
+    assert sched["active"] == 0 and sched["waiting"] == 0
+    assert post(server, "/v1/models/unregister", {"model": "narrow"})[0] == 202
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/input_tokens"])
+def test_a_huge_message_is_refused_before_tokenizing_and_never_stalls_the_loop(server, baseline, path):
+    """Issue 15.4: a near-64 MiB message used to hold a worker (and the GIL) for seconds."""
+    content = "lorem ipsum dolor " * (40 << 20 >> 4)                 # ~45 MB of text
+    data = json.dumps({"model": "scout", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 4}).encode()
+    result, health = {}, []
+
+    def big():
+        started = time.monotonic()
+        status, _, raw = server.request("POST", path, body=data, headers=JSON)
+        result.update(status=status, body=json.loads(raw), seconds=time.monotonic() - started)
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    while thread.is_alive():
+        started = time.monotonic()
+        assert server.request("GET", "/healthz")[0] == 200
+        health.append(time.monotonic() - started)
+        time.sleep(0.02)
+    assert result["status"] == 400 and result["body"]["error"]["code"] == "context_length_exceeded", result
+    assert max(health) < 1.0, health
+    # Just past the bound's reach the worker stops at the context instead of tokenizing it all.
+    tok_bound = "word " * 3000
+    status, body = post(server, path, {"model": "scout", "messages": [{"role": "user", "content": tok_bound}],
+                                       "max_tokens": 4})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body

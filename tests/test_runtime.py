@@ -209,6 +209,39 @@ def test_memory_pressure_evicts_idle_models_and_streams_them_back(tmp_path):
         assert server.stop() == 0
 
 
+def test_a_plan_that_does_not_fit_answers_503_and_the_next_request_works(tmp_path):
+    """Issue 15.2: running out of device memory while building a plan used to leave
+    the request unanswered and the deployment wedged."""
+    from conftest import _start_live
+    expected = write_gguf(tmp_path / "m.gguf", "F32", seed=7)
+    (tmp_path / "catalog.json").write_text(json.dumps([{
+        "model": "m", "kind": "embedding", "sources": [os.path.join(PACKAGE, "affine.loom")],
+        "checkpoint": "m.gguf", "base_directory": "."}]))
+    param_bytes = (VOCAB * D + DIM * D + DIM) * 4
+    server = _start_live(tmp_path, ("--models", str(tmp_path / "catalog.json"), "--device", "cpu",
+                                    "--memory_bytes", str(param_bytes + 40000)))
+    try:
+        def workspace():
+            memory = json.loads(server.request("GET", "/v1/status")[2])["resources"]["memory"]
+            return memory["by_owner"].get("m", {}).get("workspace", 0)
+
+        for _ in range(2):      # the same oversized shape twice: no half-built plan is cached
+            status, body = post(server, {"model": "m", "input": [list(range(16))] * 16})
+            assert status == 503 and body["error"]["code"] == "device_memory", body
+        status, body = post(server, {"model": "m", "input": [[3, 4], [5]]})
+        assert status == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], np.float32)
+        np.testing.assert_allclose(got, reference(*expected, [[3, 4], [5]]), atol=2e-5, rtol=1e-4)
+        assert workspace() > 0          # the plan's scratch and the reuse cache
+        # Trim releases cached plans as well as idle workspace: nothing stays behind (issue 15.7).
+        assert server.request("POST", "/v1/devices/trim", body=b'{"device": 0, "target_bytes": 0}',
+                              headers={"Content-Type": "application/json"})[0] == 200
+        assert workspace() == 0
+        assert post(server, {"model": "m", "input": [[3, 4], [5]]})[0] == 200     # plans again on demand
+    finally:
+        assert server.stop() == 0
+
+
 def test_deactivate_activate_and_pinning(thread_server, tmp_path):
     expected = write_gguf(tmp_path / "m.gguf", "Q8_0", seed=5)
     ts = thread_server(device="cpu")

@@ -306,6 +306,30 @@ def test_ids_equal_hf_on_corpus(name):
                 assert got == want, (name, text, add_special, parse_special)
 
 
+@pytest.mark.parametrize("name", BYTE_LEVEL + SENTENCEPIECE + ["wordpiece"])
+def test_encode_limit_and_text_bound(name):
+    """encode(limit=k) is a prefix of the whole encoding that passes k (or all of it), and a
+    text longer than text_bound(k) characters always encodes to more than k tokens: what
+    lets chat refuse a huge message before tokenizing it."""
+    tok = pair(name).ours
+    text = " ".join(CORPUS) * 3
+    whole = tok.encode(text)
+    for k in (0, 1, 7, len(whole) // 2, len(whole) - 1, len(whole), len(whole) + 5):
+        got = tok.encode(text, limit=k)
+        assert got == whole[:len(got)] and (len(got) > k or got == whole), (k, len(got))
+    if name == "wordpiece":
+        assert tok.text_bound(10) is None           # one [UNK] can stand for a word of any length
+        return
+    rng = np.random.default_rng(0)
+    for k in (1, 5, 20):
+        bound = tok.text_bound(k)
+        for repeat in ("a", "   ", "lorem ipsum ", "\u00e9\u0301", "\U0001F600"):
+            sample = (repeat * (bound // len(repeat) + 2))[:bound + 1]
+            assert len(tok.encode(sample)) > k, (k, repr(repeat))
+        chars = rng.integers(32, 0x3000, bound + 1)
+        assert len(tok.encode("".join(map(chr, chars)))) > k
+
+
 def test_corpus_exercises_the_interesting_cases():
     p = pair("qwen2")
     ids = p.ours.encode("<|im_start|>hi", parse_special=True)

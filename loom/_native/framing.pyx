@@ -23,6 +23,9 @@ MAX_HEADERS = 128
 MAX_LEADING_CRLF = 8  # RFC 9112 2.2: ignore a few empty lines before a request line
 
 
+import re
+
+
 class FramingError(Exception):
     """A request the connection cannot carry. The server answers `status` and closes."""
 
@@ -32,6 +35,9 @@ class FramingError(Exception):
         self.code = code
         self.message = message
 
+
+# Host = uri-host [":" port]: an IP literal or a reg-name; no spaces, no comma (a list of hosts).
+HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[-A-Za-z0-9._~!$&'()*+;=%]*)(?::[0-9]*)?\Z")
 
 # RFC 9110 tchar: the characters allowed in methods, header names and codings.
 cdef unsigned char TCHAR[256]
@@ -303,6 +309,9 @@ cdef class RequestParser:
                                        "Expect is not supported; send the body directly (curl: -H 'Expect:')")
         if version == 11 and hosts != 1:
             raise FramingError(400, "invalid_host", "an HTTP/1.1 request needs exactly one Host header")
+        for name, value in headers:
+            if name == "host" and not HOST.match(value):
+                raise FramingError(400, "invalid_host", "the Host header is not a host[:port]")
 
         self.head = (method.decode("ascii"), target.decode("ascii"), version, headers, keep_alive)
         self.body = []
@@ -344,7 +353,7 @@ cdef class RequestParser:
     cdef bint _take_chunk_size(self) except -1:
         cdef Py_ssize_t n = len(self.buf)
         cdef Py_ssize_t end = self.buf.find(b"\r\n", self.pos, min(n, self.pos + self.chunk_line_bytes + 2))
-        cdef Py_ssize_t i, digits = 0
+        cdef Py_ssize_t i, sized, digits = 0
         cdef unsigned long long size = 0
         cdef unsigned char c, v
         if end < 0:
@@ -364,9 +373,13 @@ cdef class RequestParser:
             i += 1
         if digits == 0:
             raise FramingError(400, "malformed_chunk", "chunk size is not hexadecimal")
-        # Whatever follows the size must be chunk extensions (";name=value"), which we ignore.
+        # Whatever follows the size must be chunk extensions (";name=value"), which we ignore;
+        # whitespace may come before one (BWS), never alone.
+        sized = i
         while i < end and (self.buf[i] == 0x20 or self.buf[i] == 0x09):
             i += 1
+        if i == end and i > sized:
+            raise FramingError(400, "malformed_chunk", "whitespace after chunk size")
         if i < end:
             if self.buf[i] != 0x3B:
                 raise FramingError(400, "malformed_chunk", "invalid character after chunk size")

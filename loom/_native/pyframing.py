@@ -13,7 +13,9 @@ MAX_LEADING_CRLF = 8
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
 _TARGET = re.compile(rb"[\x21-\x7e]+\Z")
-_HEX = re.compile(rb"([0-9A-Fa-f]*)[ \t]*(;.*)?\Z", re.S)
+_HEX = re.compile(rb"([0-9A-Fa-f]*)(?:[ \t]*(;.*))?\Z", re.S)   # whitespace only before an extension
+# Host = uri-host [":" port]: an IP literal or a reg-name; no spaces, and no comma (a list of hosts).
+HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~!$&'()*+;=%-]*)(:[0-9]*)?\Z")
 
 
 class FramingError(Exception):
@@ -204,6 +206,8 @@ class RequestParser:
                                "Expect is not supported; send the body directly (curl: -H 'Expect:')")
         if version == 11 and len(values("host")) != 1:
             raise FramingError(400, "invalid_host", "an HTTP/1.1 request needs exactly one Host header")
+        if any(not HOST.match(h) for h in values("host")):
+            raise FramingError(400, "invalid_host", "the Host header is not a host[:port]")
         codings = [c.strip().lower() for v in values("transfer-encoding") for c in v.split(",")]
         self.head = (method.decode(), target.decode(), version, headers, keep_alive)
         self.body, self.body_len = [], 0
