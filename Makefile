@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install system-drivers run test bench bench-drivers clean
+.PHONY: soak install system-drivers run test bench bench-drivers clean
 
 install: $(STAMP)
 
@@ -54,6 +54,12 @@ bench: install
 	$(PY) bench/kernels.py
 	$(PY) bench/embeddings.py
 	$(PY) bench/retained.py
+
+# The soak suite (bench/soak.py): disconnects, fuzzed bodies, framing vectors, hostile
+# packages, overload and unregister under load against a fresh server; not part of make test
+# (tests/test_soak.py runs its --short version).
+soak: install
+	$(PY) bench/soak.py
 
 # Every installed CPU driver side by side on bench/llama.py (docs/operations.md, "OpenCL drivers").
 bench-drivers: install

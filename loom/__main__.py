@@ -66,6 +66,8 @@ def parser():
                    help="uploaded package bytes all registrations may retain; more answer 429")
     p.add_argument("--prepare_timeout", type=_positive_float, default=d.prepare_timeout,
                    help="seconds a model's preparation (reading, uploading, probing) may take; then it fails")
+    p.add_argument("--trial_timeout", type=_positive_float, default=d.trial_timeout,
+                   help="seconds a package's stages may take in their trial run before it is refused")
     p.add_argument("--log_capacity", type=_positive_int, default=d.log_capacity,
                    help="entries kept in the /logz ring")
     p.add_argument("--log_level", default=d.log_level, choices=["debug", "info", "warning", "error"],
@@ -98,7 +100,7 @@ def main(argv=None):
                     workers=args.workers, log_capacity=args.log_capacity, log_level=args.log_level,
                     models=args.models, device=args.device, memory_bytes=args.memory_bytes,
                     registrations=args.registrations, package_bytes=args.package_bytes,
-                    prepare_timeout=args.prepare_timeout)
+                    prepare_timeout=args.prepare_timeout, trial_timeout=args.trial_timeout)
     server = Server(config)
     configure_logging(args.log_level, server.logs)
     try:

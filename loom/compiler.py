@@ -143,6 +143,10 @@ class Executable:
     def __repr__(self):
         return f"<Executable {self.name} {self.key[:12]} kernels={sorted(self.kernels)}>"
 
+    def binary(self) -> bytes:
+        """The device binary, for the proving ground's child to load instead of rebuilding."""
+        return bytes(self.program.get_info(cl.program_info.BINARIES)[0])
+
 
 class BuildFailure:
     """A build that failed: ``message`` for the error envelope, ``log`` from the compiler."""
@@ -252,6 +256,13 @@ class Compiler:
         if found is not None:
             self._cache.move_to_end(key)
         return found
+
+    def load_binary(self, binary: bytes, name: str = "program"):
+        """An Executable from a device binary built earlier by this device's driver
+        (uncached): the proving ground's child runs exactly what the server built."""
+        program = _Program(self.device.context, [self.device.cl_device], [binary])
+        program._build(options=b"", devices=[self.device.cl_device])
+        return Executable("binary", name, program, 0.0, "")
 
     def _build(self, source, flags):
         """On a worker: (program, seconds, log) or raise BuildError."""

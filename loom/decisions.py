@@ -20,7 +20,7 @@ from . import kinds
 from .errors import Error
 from .http import Response
 from .jsonin import Any_, Arr, Enum, Map, Obj, OneOf, Str
-from .scheduler import BatchEngine, pack
+from .scheduler import BatchEngine, pack, split_tokens
 
 MAX_QUESTIONS = 1024
 MAX_OPTIONS = 255
@@ -188,6 +188,12 @@ class Decision(kinds.Kind):
     routes = [("POST", "/v1/systemone", create)]
     inputs, outputs = ["text"], ["probabilities"]
     probes = [("decide", {"T": 2, "S": 2, "G": 1})]
+
+    def trial(self, binding, command, geometry):
+        S, G = geometry["S"], geometry["G"]
+        ids, pos, offsets = pack(split_tokens(geometry["T"], S))
+        groups = np.array([S * g // G for g in range(G + 1)], np.int32)
+        return {"ids": ids, "pos": pos, "offsets": offsets, "groups": groups}, {"probs": (np.float32, S - G)}
 
     def start(self, reg, loop):
         return BatchEngine(reg.prepared, loop, Batch(), COHORT_TOKENS, COHORT_INPUTS)

@@ -338,9 +338,9 @@ def _enumerate() -> list:
         return _probed
 
 
-def _discover() -> list:
+def _discover(probe=True) -> list:
     arrange_loader()
-    reasons = _probe_children()
+    reasons = _probe_children() if probe else {None: None}
     try:
         platforms = cl.get_platforms()
     except cl.Error:  # no ICD installed at all
@@ -377,6 +377,15 @@ def _discover() -> list:
             info["usable"], info["reason"] = reason is None, reason
             found.append((dev, info))
     return found
+
+
+def assume_usable() -> None:
+    """For a child process of a server that has already probed its devices (the
+    proving ground): enumerate without probing, every device taken as usable."""
+    global _probed
+    with _probed_lock:
+        if _probed is None:
+            _probed = _discover(probe=False)
 
 
 def list_devices() -> list:
@@ -693,6 +702,38 @@ class Transfer:
         return self.array
 
 
+class Guarded:
+    """A buffer with guard bytes on both sides, for trial runs in the proving ground:
+    a kernel writing outside its ``buffer`` (a sub-buffer of ``whole``) changes a
+    guard, which ``intact()`` reports. Not from the pool: the child owns its device."""
+
+    PATTERN = 0xA5
+
+    def __init__(self, device, nbytes, fill=None):
+        align = max(int(device.cl_device.mem_base_addr_align) // 8, 128)
+        self.nbytes = nbytes
+        self.guard = -(-max(4096, align) // align) * align
+        self.total = self.guard + -(-max(nbytes, 1) // align) * align + self.guard
+        host = np.full(self.total, self.PATTERN, np.uint8)
+        host[self.guard:self.guard + nbytes] = 0 if fill is None else np.frombuffer(
+            np.ascontiguousarray(fill).tobytes(), np.uint8)
+        self.device = device
+        flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
+        self.whole = cl.Buffer(device.context, flags, hostbuf=host)
+        self.buffer = self.whole.get_sub_region(self.guard, max(nbytes, 1))
+
+    def intact(self) -> bool:
+        host = np.empty(self.total, np.uint8)
+        cl.enqueue_copy(self.device.queue, host, self.whole, is_blocking=True)
+        outside = np.concatenate([host[:self.guard], host[self.guard + self.nbytes:]])
+        return bool((outside == self.PATTERN).all())
+
+    def read(self, dtype, count) -> np.ndarray:
+        host = np.empty(count, dtype)
+        cl.enqueue_copy(self.device.queue, host, self.buffer, is_blocking=True)
+        return host
+
+
 class Device:
     """One OpenCL device: ``context``, one in-order ``queue``, ``pool``, ``info``."""
 
@@ -804,6 +845,23 @@ class Device:
         return cl.enqueue_copy(self.queue, buffer, host, buffer_origin=(dst, 0, 0), host_origin=(0, 0, 0),
                                region=(block_bytes, blocks, 1), buffer_pitches=(pitch, blocks * pitch),
                                host_pitches=(block_bytes, blocks * block_bytes), is_blocking=False)
+
+    def finish(self) -> None:
+        """Wait for everything queued (the proving ground's child, never the server's loop)."""
+        self.queue.finish()
+
+    def guarded(self, nbytes: int, fill=None) -> "Guarded":
+        """A trial buffer of ``nbytes`` between guard bytes (outside the pool)."""
+        return Guarded(self, nbytes, fill)
+
+    def limits(self) -> dict:
+        """What one launch may ask of this device."""
+        return {"local_memory_bytes": int(self.cl_device.local_mem_size),
+                "work_group_size": int(self.cl_device.max_work_group_size)}
+
+    def local_memory_bytes(self, kernel) -> int:
+        """The __local memory one work-group of ``kernel`` needs."""
+        return int(kernel.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, self.cl_device))
 
     def metrics(self, registry) -> None:
         """Ownership gauges, computed from the pool at scrape time."""

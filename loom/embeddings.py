@@ -27,7 +27,7 @@ from . import kinds
 from .errors import Error
 from .http import Response
 from .jsonin import Arr, Enum, Int, Obj, OneOf, Str
-from .scheduler import BatchEngine, pack
+from .scheduler import BatchEngine, pack, split_tokens
 
 INPUT_ITEMS = 2048
 
@@ -175,6 +175,11 @@ class Embedding(kinds.Kind):
     routes = [("POST", "/v1/embeddings", create)]
     inputs, outputs = ["text", "tokens"], ["embedding"]
     probes = [("embed", {"T": 1, "S": 1})]
+
+    def trial(self, binding, command, geometry):
+        ids, pos, offsets = pack(split_tokens(geometry["T"], geometry["S"]))
+        width = geometry.get("W", binding.specs["DIM"])
+        return {"ids": ids, "pos": pos, "offsets": offsets}, {"out": (np.float32, geometry["S"] * width)}
 
     def capability(self, reg):
         p = reg.prepared

@@ -9,6 +9,8 @@ never branches on a kind's name. What a kind says about itself:
     inputs, outputs        its modalities, as /v1/models lists them
     probes                 (command, geometry) pairs compiled before the model is ready,
                            and again for every staged native variant
+    trial(binding, c, g)   the probe's inputs and outputs, shaped as the engine sends them,
+                           for its trial run in the proving ground (None: not trial-run)
     options(doc, options)  preparation options it derives from the document (the KV pool)
     components(prepared)   its residency components ("primary", and e.g. "image")
     capability(reg)        the fields it adds to the "loom" object of /v1/models
@@ -32,6 +34,9 @@ class Kind:
 
     def options(self, doc, options):
         return options
+
+    def trial(self, binding, command, geometry):
+        return None
 
     def components(self, prepared):
         return ("primary",)

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 
-from . import jsonin, language, runtime, tokenizer
+from . import jsonin, language, proving, runtime, tokenizer
 from .errors import Error, Problem
 from .jsonin import Arr, Bool, Enum, Int, Obj, Str
 
@@ -162,6 +162,8 @@ class Registration:
         self.observations = 0       # management observations open (admin.py's credit)
         self.deadline = None        # the --prepare_timeout timer while preparing
         self.timed_out = False      # preparation passed it: whatever the worker returns is released
+        self.loop = None            # the server's loop and --trial_timeout, for the proving ground
+        self.trial_timeout = None
         self.package = None         # an uploaded source package, retained until the model retires
         self.files = None           # where its code, metadata and checkpoint come from (Files)
 
@@ -204,7 +206,8 @@ class Registration:
 
 
 class ProbeFailed(Problem):
-    """A kind's probe geometry did not plan (code plan) or build (code compile)."""
+    """A kind's probe geometry did not plan (code plan), build (code compile) or pass
+    its trial run (proving.py's codes)."""
 
     def __init__(self, code, message, result=None):
         super().__init__(message, code)
@@ -212,31 +215,59 @@ class ProbeFailed(Problem):
 
 
 def compile_probes(reg, prepared, binding, sources, done):
-    """Plan and build the kind's probe geometries for `binding`: done(failure, results)
-    once, with failure None or a ProbeFailed, results every BuildResult seen."""
+    """Plan and build the kind's probe geometries for `binding`, then trial-run them in
+    the proving ground (proving.py): done(failure, results) once, with failure None or
+    a ProbeFailed, results every BuildResult seen."""
     try:
         layouts = [binding.plan(command, **geometry) for command, geometry in reg.kind.probes]
+        trials = [(command, geometry, *io) for command, geometry in reg.kind.probes
+                  if (io := reg.kind.trial(binding, command, geometry)) is not None]
     except runtime.LoomError as e:
         done(ProbeFailed("plan", str(e)), [])
         return
-    remaining, results = [len(layouts)], []
+    remaining, results, built = [len(layouts)], [], {}
     if not layouts:
         done(None, results)
         return
 
-    def compiled(built):
+    def compiled(new):
         if remaining[0] <= 0:
             return      # an earlier layout already failed: that answer stands
-        results.extend(built.values())
-        failed = next((b for b in built.values() if not b.ok), None)
+        results.extend(new.values())
+        built.update(new)
+        failed = next((b for b in new.values() if not b.ok), None)
         remaining[0] = 0 if failed is not None else remaining[0] - 1
         if failed is not None:
             done(ProbeFailed("compile", failed.message, failed), results)
         elif remaining[0] == 0:
-            done(None, results)
+            prove(reg, prepared, binding, built, trials, lambda failure: done(failure, results))
 
     for layout in layouts:
         prepared.compile_layout(layout, binding, sources, compiled)
+
+
+def prove(reg, prepared, binding, built, trials, done):
+    """The trial runs, on a worker (the child takes seconds): done(None or ProbeFailed) on the loop."""
+    if not trials:
+        done(None)
+        return
+    timeout = reg.trial_timeout
+
+    def work():
+        started = time.monotonic()
+        failure = proving.prove(proving.job(prepared.device.info, binding, built, trials), timeout)
+        log.info("trial run of %s: %s in %.2f s", reg.name, "clean" if failure is None else failure[0],
+                 time.monotonic() - started, extra={"event": "trial", "model": reg.name,
+                                                    "code": None if failure is None else failure[0]})
+        return failure
+
+    def proven(failure, error):
+        if error is not None:
+            done(ProbeFailed("trial", f"the proving ground could not run: {type(error).__name__}: {error}"))
+        else:
+            done(None if failure is None else ProbeFailed(*failure))
+
+    reg.loop.run_in_executor(work, proven)
 
 
 class Registry:
@@ -342,6 +373,7 @@ class Registry:
         files = Files(doc, base, package)
         reg = Registration(doc, kind, base)
         reg.package, reg.files = package, files
+        reg.loop, reg.trial_timeout = self.server.loop, cfg.trial_timeout
         self.registrations[reg.name] = reg
         log.info("registered %s (%s)", reg.name, kind.name, extra={"event": "registered", "model": reg.name})
         reg.transition(reg.admission)

@@ -92,6 +92,7 @@ class CohortEngine:
     def __init__(self, prepared, loop):
         self.prepared, self.loop = prepared, loop
         self.busy = False
+        self.again = False       # kicked while busy: form once more before idling
         self.running = None      # the native variant the step in flight runs (a consumer of it)
         self.boundary = []       # callbacks waiting for no step to be in flight
         self.steps = 0           # cohorts run
@@ -101,6 +102,8 @@ class CohortEngine:
         if not self.busy:
             self.busy = True
             self.loop.call_soon(self._tick)    # same-tick arrivals join this cohort
+        else:
+            self.again = True   # a kick while a cohort forms (a callback inside form) looks again
 
     def at_boundary(self, fn):
         """fn() once no step is in flight: now, or as soon as the running step has
@@ -111,9 +114,14 @@ class CohortEngine:
             self.boundary.append(fn)
 
     def _tick(self):
+        self.again = False
         cohort = self.form()
         if cohort is None:
             self.busy = False
+            if self.again:
+                # Forming ran callbacks that changed what can run (a row's client found gone
+                # as its stream opened: that row must retire now, not at some later arrival).
+                self.kick()
             return
         self.steps += 1
         # A step's plan is made from the variant selected now; it counts as that
@@ -638,8 +646,8 @@ class TextEngine(CohortEngine):
         self._admit()
         work, budget = [], self.token_budget
         for row, seq in enumerate(self.rows):
-            if seq is None or budget <= 0:
-                continue
+            if seq is None or budget <= 0 or seq.cancelled:
+                continue                              # (a row cancelled while forming retires next)
             if seq.fed < len(seq.prompt) and (self.stage == "advance" or seq.ready()):
                 ids = seq.prompt[seq.fed:seq.fed + min(self.chunk, budget)]
             elif self.stage == "encode":
@@ -799,6 +807,29 @@ def _common_prefix(a, b):
             break
         n += 1
     return n
+
+
+def split_tokens(T, S):
+    """T zero token ids as S sequences, as even as they go (a probe's batch)."""
+    return [[0] * (T * (s + 1) // S - T * s // S) for s in range(S)]
+
+
+def trial_pages(binding, T, R):
+    """Probe inputs for a paged text stage: T positions over R rows, each row's
+    tokens on its own pages of the pool, and the page tables as the kernels read them."""
+    page = binding.options["page_size"]
+    width = binding.specs["MAX_PAGES"]
+    rows = [len(s) for s in split_tokens(T, R)]
+    pos = np.concatenate([np.arange(n, dtype=np.int32) for n in rows])
+    row_of = np.repeat(np.arange(R, dtype=np.int32), rows)
+    tables = np.full((R, width), -1, np.int32)
+    next_page = 0
+    for r, n in enumerate(rows):
+        used = max(1, -(-n // page))
+        tables[r, :used] = np.arange(next_page, next_page + used) % max(1, binding.options["pages"])
+        next_page += used
+    last = np.cumsum(rows).astype(np.int32) - 1
+    return {"tokens": np.zeros(T, np.int32), "pos": pos, "row_of": row_of, "pages": tables.ravel(), "last": last}
 
 
 def pack(sequences):

@@ -57,6 +57,7 @@ class Config:
     registrations: int = 64                 # registered models at once; more answer 429
     package_bytes: int = 256 << 20          # uploaded package bytes retained by all registrations
     prepare_timeout: float = 600.0          # seconds a preparation may take before it fails
+    trial_timeout: float = 60.0             # seconds a package's trial run may take (proving.py)
 
 
 class Listener:

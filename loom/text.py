@@ -24,12 +24,14 @@ import re
 import secrets
 import time
 
+import numpy as np
+
 from . import kinds, registry
 from .chat import ChatPolicy, ToolCallError
 from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
-from .scheduler import Refused, Sequence, TextEngine
+from .scheduler import Refused, Sequence, TextEngine, trial_pages
 
 MAX_TOKENS = 262144
 MAX_TEXT_BYTES = 1 << 20
@@ -838,6 +840,10 @@ class Text(kinds.Kind):
     ]
     inputs, outputs = ["text"], ["text"]
     probes = [("advance", {"T": 1, "R": 1})]
+
+    def trial(self, binding, command, geometry):
+        inputs = trial_pages(binding, geometry["T"], geometry["R"])
+        return inputs, {"logits": (np.float32, geometry["R"] * binding.specs["V"])}
     stage = "advance"
 
     def options(self, doc, options):
@@ -877,6 +883,11 @@ class KnownTokens(Text):
     inputs, outputs = ["tokens"], ["tensor"]
     probes = [("encode", {"T": 1})]
     stage = "encode"
+
+    def trial(self, binding, command, geometry):
+        inputs = trial_pages(binding, geometry["T"], 1)
+        del inputs["last"]
+        return inputs, {"out": (np.uint8, geometry["T"] * binding.specs["SEQUENCE_BYTES"])}
 
     def components(self, prepared):
         return ("primary",)

@@ -127,6 +127,25 @@ def test_stop_tokens_cancellation_and_backpressure(model):
     loop.close()
 
 
+def test_a_row_whose_client_is_gone_as_it_starts_retires_at_once(model):
+    """Issue 15.1 (the soak's find): a stream that fails as it opens cancels its sequence
+    from inside the cohort's forming; the row must still retire, with nothing else arriving."""
+    prepared, _ = model
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=2, pages=PAGES, page_size=PAGE)
+    done = []
+    gone = Sequence([5, 6, 7], max_tokens=8, ready=lambda: False, on_done=done.append)
+    gone.on_start = lambda: engine.cancel(gone)     # the first send found the client reset
+    engine.submit(gone)
+    for _ in range(50):
+        tick(loop)
+        if done:
+            break
+    assert done == ["cancelled"] and engine.rows == [None, None]
+    assert engine.pool.available == PAGES and not engine.busy
+    loop.close()
+
+
 def test_an_idle_row_continues_a_conversation_without_recomputing_it(model):
     """Automatic row reuse: the next turn's prompt extends the finished one exactly."""
     prepared, weights = model

@@ -1,0 +1,19 @@
+"""The soak suite's bounded version (bench/soak.py --short) as part of make test: a fresh
+server through idle and slowloris sockets, a disconnect storm, fuzzed bodies, framing
+vectors, hostile packages, overload and unregister under load, with its accounting back
+at the baseline and no unintended 5xx. `make soak` runs the full campaign."""
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_the_short_soak_finds_nothing():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "soak.py"), "--short"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert "no failures" in out.stdout
+    for phase in ("disconnects:", "fuzz:", "framing:", "hostile:", "overload:", "unregister"):
+        assert phase in out.stdout, phase
