@@ -1,6 +1,8 @@
 """Command line: python -m loom [flags] -> Server."""
 
 import argparse
+import logging
+import os
 import sys
 
 from .server import Config, Server, configure_logging
@@ -108,7 +110,13 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         print(f"loom: cannot start: {e}", file=sys.stderr)
         return 2
-    return server.serve_forever()
+    code = server.serve_forever()
+    # Exit now: a worker still waiting on a wedged device step would keep the interpreter
+    # (its executor threads are joined at exit) past --shutdown_timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ STATUS = {
     "control_queue_full": 503,
     # device
     "device_memory": 503,
+    "step_timeout": 503,
 }
 
 

@@ -17,7 +17,7 @@ import time
 
 from . import jsonin, language, proving, runtime, tokenizer
 from .errors import Error, Problem
-from .jsonin import Arr, Bool, Enum, Int, Obj, Str
+from .jsonin import Arr, Bool, Enum, Int, Num, Obj, Str
 
 log = logging.getLogger("loom.registry")
 
@@ -54,13 +54,15 @@ def document_schema(kind_names):
         "checkpoint_capacity": _capacity(1 << 16),
         "checkpoint_backing": Enum(["fixed", "elastic"], optional=True),
         "variant_capacity": _capacity(1 << 10),
+        "step_timeout": Num(lo=0.001, hi=86400, optional=True),
         "options": Obj(None, optional=True),
     })
 
 
 DEFAULTS = {"admission": "open", "rows": 4, "context_length": 4096, "max_output_tokens": 512,
             "pending_capacity": 32, "session_cache_capacity": 0, "prefix_cache_capacity": 0,
-            "checkpoint_capacity": 0, "checkpoint_backing": "fixed", "variant_capacity": 0, "endpoint": True}
+            "checkpoint_capacity": 0, "checkpoint_backing": "fixed", "variant_capacity": 0, "endpoint": True,
+            "step_timeout": 120.0}
 
 # (phase, event) -> the next phase. Any other pair is a bug, and raises.
 PHASES = {
@@ -74,6 +76,7 @@ PHASES = {
     ("ready", "unregister"): "removing",
     ("failed", "unregister"): "failed",      # a failed registration keeps saying why until it goes
     ("removing", "failed"): "failed",        # preparation failed after unregister: removed next
+    ("ready", "failed"): "failed",           # a device step passed its step_timeout
 }
 
 
@@ -479,9 +482,23 @@ class Registry:
             prepared.variants[first.id] = first
             prepared.selected = first.id
         reg.engine = reg.kind.start(reg, self.server.loop)
+        reg.engine.step_timeout = reg.doc["step_timeout"]
+        reg.engine.on_failed = lambda message: self._step_failed(reg, message)
         log.info("prepared %s: %d parameter bytes", reg.name, prepared.param_bytes(),
                  extra={"event": "prepared", "model": reg.name, "param_bytes": prepared.param_bytes()})
         self._settle(reg)
+
+    def _step_failed(self, reg, message):
+        """A device step passed its deadline: the deployment fails (503 step_timeout from
+        now on, the reason in /v1/status); its queue is answered; the server serves on."""
+        if reg.phase != "ready":
+            return
+        reg.transition("failed")
+        reg.error = {"code": "step_timeout", "message": message}
+        error = Error(503, message, "step_timeout", "model")
+        waiting, reg.waiting = reg.waiting, []
+        for job in waiting:
+            job.fail(error)
 
     def _failed(self, reg, code, message):
         if reg.deadline is not None:
@@ -615,6 +632,8 @@ class Registry:
         if not reg.doc["endpoint"]:
             raise Error(404, f"model {name!r} is a native-only activity model: it serves no HTTP inference "
                              "(its management and tokenizer utilities stay available)", "model_not_found", "model")
+        if reg.phase == "failed" and reg.error["code"] == "step_timeout":
+            raise Error(503, f"model {name!r} failed: {reg.error['message']}", "step_timeout", "model")
         if reg.phase == "failed":
             # Not retryable: the package, checkpoint or driver must change (422, as a failed variant).
             raise Error(422, f"model {name!r} failed to prepare ({reg.error['code']}): "
@@ -719,7 +738,12 @@ class Registry:
             del self.registrations[reg.name]
         self._settle(reg)
         if reg.prepared is not None:
-            reg.prepared.release()
+            if reg.error is not None and reg.error["code"] == "step_timeout":
+                # Its stuck kernel still uses these buffers: releasing them waits in the driver,
+                # which the loop must never do.
+                threading.Thread(target=reg.prepared.release, name=f"loom-release-{reg.name}", daemon=True).start()
+            else:
+                reg.prepared.release()
             reg.prepared = None
         log.info("unregistered %s", reg.name, extra={"event": "unregistered", "model": reg.name})
 

@@ -347,13 +347,13 @@ class ExecPlan:
         self.executables = []
 
 
-def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None):
+def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None, on_submit=None):
     """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
     `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
     Copies are non-blocking and the wait for the device happens on a worker, so
     the loop never blocks on the device. With `after(buffers, finish)` the outputs
     stay on the device for more work queued behind the plan (sampling), which
-    calls finish(values, error) itself."""
+    calls finish(values, error) itself. on_submit() runs once the step is queued."""
     device = prepared.device
     buffers, host = {}, []
 
@@ -381,10 +381,14 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
         plan.run(buffers)
         if after is not None:
             after(buffers, finish)
+            if on_submit is not None:
+                on_submit()
             return
         transfers = {name: prepared.device.download_async(buffers[name], dtype, count)
                      for name, (dtype, count) in outputs.items()}
         loop.run_in_executor(lambda: {name: t.wait() for name, t in transfers.items()}, finish)
+        if on_submit is not None:
+            on_submit()     # the device has the step: its deadline runs from here, JIT excluded
 
     prepared.plan_async(command, geometry, planned)
 

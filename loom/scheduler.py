@@ -93,6 +93,11 @@ class CohortEngine:
         self.prepared, self.loop = prepared, loop
         self.busy = False
         self.again = False       # kicked while busy: form once more before idling
+        self.step_timeout = None     # seconds a queued device step may take (the document's step_timeout)
+        self.on_failed = None        # fn(message), once a step has passed it: the registry fails the deployment
+        self.failed = None           # that message: nothing forms any more
+        self.cohort = None           # the cohort in flight
+        self.deadline = None
         self.running = None      # the native variant the step in flight runs (a consumer of it)
         self.boundary = []       # callbacks waiting for no step to be in flight
         self.steps = 0           # cohorts run
@@ -115,6 +120,9 @@ class CohortEngine:
 
     def _tick(self):
         self.again = False
+        if self.failed:
+            self.busy = False
+            return
         cohort = self.form()
         if cohort is None:
             self.busy = False
@@ -129,9 +137,38 @@ class CohortEngine:
         self.running = self.prepared.variants.get(self.prepared.selected) or True
         if self.running is not True:
             self.running.users += 1
+        self.cohort = cohort
         self.launch(cohort, lambda values, error: self._retired(cohort, values, error))
 
+    def submitted(self):
+        """The step in flight is on the device (run_stage's on_submit): its deadline starts."""
+        if self.step_timeout and self.cohort is not None:
+            self.deadline = self.loop.call_later(self.step_timeout, self._expired, self.cohort)
+
+    def _expired(self, cohort):
+        """A device step that never retires (a kernel stuck at this geometry): every request
+        the engine holds ends with 503 step_timeout, and the deployment fails; the loop,
+        other deployments' admission and the server go on."""
+        if cohort is not self.cohort or self.failed:
+            return
+        self.failed = (f"a device step of {self.prepared.name} did not finish within {self.step_timeout:g} s "
+                       "(step_timeout): a kernel is stuck at this geometry; the device may need a restart")
+        log.error("%s", self.failed, extra={"event": "step_timeout", "model": self.prepared.name})
+        self.abandon(cohort, Problem(self.failed, "step_timeout"))
+        if self.on_failed is not None:
+            self.on_failed(self.failed)
+
+    def abandon(self, cohort, error):
+        """End every request this engine holds with `error` (its step will never retire)."""
+        self.apply(cohort, None, error)
+
     def _retired(self, cohort, values, error):
+        if self.deadline is not None:
+            self.loop.cancel_timer(self.deadline)
+            self.deadline = None
+        self.cohort = None
+        if self.failed:
+            return      # answered when its deadline passed; what it held is released by run_stage
         try:
             self.apply(cohort, values, error)
         finally:
@@ -184,6 +221,9 @@ class BatchEngine(CohortEngine):
 
     def submit(self, job):
         self.queue.append(job)
+        if self.failed:
+            self.abandon([], Problem(self.failed, "step_timeout"))   # it arrived after the failure
+            return
         self.kick()
 
     def stats(self):
@@ -214,7 +254,13 @@ class BatchEngine(CohortEngine):
 
     def launch(self, jobs, done):
         command, geometry, inputs, outputs = self.batch.stage(jobs)
-        runtime.run_stage(self.prepared, self.loop, command, geometry, inputs, outputs, done)
+        runtime.run_stage(self.prepared, self.loop, command, geometry, inputs, outputs, done,
+                          on_submit=self.submitted)
+
+    def abandon(self, jobs, error):
+        super().abandon(jobs, error)
+        while self.queue:
+            self.queue.popleft().finish(error=error)
 
     def apply(self, jobs, values, error):
         self.batch.deliver(jobs, values, error)
@@ -262,6 +308,9 @@ class TextEngine(CohortEngine):
         if not seq.prompt:
             raise ValueError("an empty prompt")
         self.waiting.append(seq)
+        if self.failed:
+            self.abandon([], Problem(self.failed, "step_timeout"))   # it arrived after the failure
+            return
         self.kick()
 
     def cancel(self, seq):
@@ -303,6 +352,17 @@ class TextEngine(CohortEngine):
 
     def backlog(self):
         return len(self.waiting)
+
+    def abandon(self, work, error):
+        for row, seq in enumerate(self.rows):
+            if seq is not None:
+                seq.error = error
+                self._retire(row, "error")
+        while self.waiting:
+            seq = self.waiting.popleft()
+            self._unborrow(seq)
+            seq.error, seq.finish_reason = error, "error"
+            seq.on_done("error")
 
     def take_control(self, fn):
         """The deployment's one retained-state control slot: pin, suspend and delete run
@@ -697,7 +757,8 @@ class TextEngine(CohortEngine):
         R = len(work)
         runtime.run_stage(self.prepared, self.loop, "advance", {"T": len(tokens), "R": R}, inputs,
                           {"logits": (np.float32, R * self.vocab)}, done,
-                          after=lambda buffers, finish: self._sample(buffers, R, params, seeds, finish))
+                          after=lambda buffers, finish: self._sample(buffers, R, params, seeds, finish),
+                          on_submit=self.submitted)
 
     def _launch_encode(self, work, done):
         """A cohort of known ids: keys and values into the rows' pages, and each token's
@@ -712,7 +773,7 @@ class TextEngine(CohortEngine):
         inputs = {"tokens": np.array(tokens, np.int32), "pos": np.array(pos, np.int32),
                   "row_of": np.array(row_of, np.int32), "pages": tables.ravel()}
         runtime.run_stage(self.prepared, self.loop, "encode", {"T": len(tokens)}, inputs,
-                          {"out": (np.uint8, len(tokens) * self.out_bytes)}, done)
+                          {"out": (np.uint8, len(tokens) * self.out_bytes)}, done, on_submit=self.submitted)
 
     def _sample(self, buffers, R, params, seeds, done):
         """Runs after `advance` on the same in-order queue: logits -> token ids on the device."""

@@ -17,6 +17,7 @@ import selectors
 import signal
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -597,7 +598,15 @@ class Server:
             conn.abort("shutdown")
         for listener in self.listeners:
             listener.close()
-        self.registry.close()
+        # Releasing device memory waits in the driver for the kernels using it: a device
+        # step that never ends (a kernel stuck at some geometry) must not keep the process.
+        teardown = threading.Thread(target=self.registry.close, name="loom-teardown", daemon=True)
+        teardown.start()
+        teardown.join(max(1.0, self.config.shutdown_timeout / 2))
+        if teardown.is_alive():
+            log.warning("device memory was not released within %.1f s (a device step is still running); "
+                        "exiting without it", max(1.0, self.config.shutdown_timeout / 2),
+                        extra={"event": "teardown_abandoned"})
         self.loop.close()
 
     # -- connections -------------------------------------------------------

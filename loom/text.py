@@ -469,7 +469,7 @@ class ChatJob(StreamingJob):
             self.finish()
             return
         if reason == "error":
-            self.finish(error=Error(500, f"generation failed: {self.seq.error}", "execution_failed"))
+            self.finish(error=_step_error(self.seq.error, "generation"))
             return
         if reason == "refused":
             self.finish(error=Error(503, "the KV pool cannot hold the checkpoint's pages right now",
@@ -728,6 +728,13 @@ def sequences(server, request):
     return _enter(server, reg, SequenceJob(server, reg, request, handle or secrets.token_hex(16), base, ids, resume, cp))
 
 
+def _step_error(error, what):
+    """A failed step's answer: a Problem keeps its code (step_timeout: 503), anything else is a 500."""
+    if isinstance(error, Problem):
+        return Error.of(error)
+    return Error(500, f"{what} failed: {error}", "execution_failed")
+
+
 class SequenceJob(StreamingJob):
     what = "sequence"
     error_event = "error"
@@ -775,7 +782,7 @@ class SequenceJob(StreamingJob):
             self.stream.finish()
             self.finish()
         elif reason == "error" and not self.gone:
-            self.finish(error=Error(500, f"sequence step failed: {self.seq.error}", "execution_failed"))
+            self.finish(error=_step_error(self.seq.error, "sequence step"))
         else:
             self.finish()
 

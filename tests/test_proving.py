@@ -119,3 +119,42 @@ def test_a_clean_package_passes_its_trial(server):
     assert status_of(server, "good")["phase"] == "ready"
     lines = "".join(server.stderr_lines)
     assert "trial run of good: clean" in lines
+
+
+LATE = NORMALIZE.replace("    float scale", "    if (S > 1) { volatile int spin = 1; while (spin) { } }\n    float scale")
+
+
+def test_a_step_past_its_deadline_fails_the_deployment_and_sigterm_still_exits(live_server, tmp_path):
+    """A kernel that hangs only beyond the probe geometry passes its trial; its first such
+    step then passes step_timeout: the request answers 503 step_timeout, the deployment
+    fails with the reason, /healthz never stalls, and SIGTERM exits within
+    --shutdown_timeout although a device step never ends."""
+    server = live_server("--device", "cpu", "--shutdown_timeout", "2")
+    write_gguf(tmp_path / "m.gguf", "F32", seed=3)
+    (tmp_path / "late.loom").write_text(open(SOURCE).read().replace(NORMALIZE, LATE))
+    doc = {"model": "late", "kind": "embedding", "sources": [str(tmp_path / "late.loom")], "checkpoint": "m.gguf",
+           "base_directory": str(tmp_path), "step_timeout": 2}
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    wait_phase(server, "late", "ready")
+    assert call(server, "/v1/embeddings", {"model": "late", "input": [[1]]})[0] == 200     # S = 1: fine
+    result = {}
+    hung = threading.Thread(target=lambda: result.update(r=call(server, "/v1/embeddings",
+                                                                 {"model": "late", "input": [[1], [2]]})))
+    started = time.monotonic()
+    hung.start()
+    health = []
+    while hung.is_alive() and time.monotonic() - started < 60:
+        t = time.monotonic()
+        assert server.request("GET", "/healthz")[0] == 200
+        health.append(time.monotonic() - t)
+        time.sleep(0.1)
+    status, body = result["r"]
+    assert status == 503 and body["error"]["code"] == "step_timeout", body
+    assert max(health) < 1.0
+    reg = status_of(server, "late")
+    assert reg["phase"] == "failed" and reg["error"]["code"] == "step_timeout"
+    status, body = call(server, "/v1/embeddings", {"model": "late", "input": [[1]]})
+    assert status == 503 and body["error"]["code"] == "step_timeout"
+    stopping = time.monotonic()
+    assert server.stop(timeout=15) == 0
+    assert time.monotonic() - stopping < 2 + 3       # the grace, plus the bounded device teardown
