@@ -88,6 +88,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import queue as queue_module
 import threading
 import time
 from pathlib import Path
@@ -761,6 +762,11 @@ class Device:
         self.context = cl.Context([self.cl_device])
         self.queue = cl.CommandQueue(self.context)
         self.pool = MemoryPool(self.context, memory_bytes, info["max_allocation_bytes"])
+        # Steps are enqueued by one submission thread, in the order they were handed over:
+        # a driver that blocks in an enqueue (a full queue behind a stuck kernel) blocks it,
+        # never the server's loop.
+        self._submissions = queue_module.SimpleQueue()
+        self._submitter = None
 
     def describe(self) -> str:
         i = self.info
@@ -845,6 +851,23 @@ class Device:
         return cl.enqueue_copy(self.queue, buffer, host, buffer_origin=(dst, 0, 0), host_origin=(0, 0, 0),
                                region=(block_bytes, blocks, 1), buffer_pitches=(pitch, blocks * pitch),
                                host_pitches=(block_bytes, blocks * block_bytes), is_blocking=False)
+
+    def submit(self, fn, done) -> None:
+        """fn() on the device's submission thread, in submission order; done(result, error)
+        is called there too (hand it back to the loop with call_soon_threadsafe)."""
+        if self._submitter is None:
+            self._submitter = threading.Thread(target=self._submit_forever, name="loom-device", daemon=True)
+            self._submitter.start()
+        self._submissions.put((fn, done))
+
+    def _submit_forever(self):
+        while True:
+            fn, done = self._submissions.get()
+            try:
+                result, error = fn(), None
+            except Exception as e:      # reported to the step that submitted it
+                result, error = None, e
+            done(result, error)
 
     def finish(self) -> None:
         """Wait for everything queued (the proving ground's child, never the server's loop)."""

@@ -13,7 +13,12 @@ copies it (copy-on-write, `PagedState.copy`).
 checkpoint's pages (suspension) and their return into fresh pages.
 """
 
+import logging
+import threading
+
 import numpy as np
+
+log = logging.getLogger("loom.kvcache")
 
 
 class OutOfPages(Exception):
@@ -155,37 +160,71 @@ class PagedState:
     Layout (docs/language.md, `state ... paged(PAGE) [D0, D1, ...]`): each buffer
     is [D0][pages][PAGE][D1...], so one page is D0 blocks of `page_bytes`, one per
     outer index (a layer), `pages * page_bytes` apart: rectangular copies move a
-    page in one command per buffer."""
+    page in one command per buffer. Every command goes through the device's
+    submission thread (device.submit), in order with the steps around it, so the
+    loop never waits in a driver."""
 
     def __init__(self, device, buffers):
         """buffers: (device buffer, groups, page_bytes, pages) per paged state."""
         self.device = device
         self.buffers = buffers
         self.uploads = []     # (event, arrays) kept alive until their copy completes
+        self.lock = threading.Lock()
 
     def copy(self, src, dst):
-        for buf, groups, page_bytes, pages in self.buffers:
-            self.device.copy_blocks(buf, src * page_bytes, dst * page_bytes, page_bytes, groups, pages * page_bytes)
+        def enqueue():
+            for buf, groups, page_bytes, pages in self.buffers:
+                self.device.copy_blocks(buf, src * page_bytes, dst * page_bytes, page_bytes, groups,
+                                        pages * page_bytes)
+        self.device.submit(enqueue, _reported("page copy"))
 
     def snapshot(self, page_ids):
-        """Enqueue reads of the pages into new host arrays; -> (arrays, last event)."""
-        arrays, event = [], None
-        for buf, groups, page_bytes, pages in self.buffers:
-            host = np.empty((len(page_ids), groups, page_bytes), np.uint8)
-            for i, page in enumerate(page_ids):
-                event = self.device.read_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
-                                                      pages * page_bytes)
-            arrays.append(host)
-        self.device.flush()
-        return arrays, event
+        """Enqueue reads of the pages into new host arrays; -> (arrays, wait), where wait()
+        blocks (on a worker) until they hold the pages."""
+        arrays = [np.empty((len(page_ids), groups, page_bytes), np.uint8)
+                  for _, groups, page_bytes, _ in self.buffers]
+        enqueued, box = threading.Event(), {}
+
+        def enqueue():
+            event = None
+            for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
+                for i, page in enumerate(page_ids):
+                    event = self.device.read_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
+                                                          pages * page_bytes)
+            self.device.flush()
+            return event
+
+        def done(event, error):
+            box.update(event=event, error=error)
+            enqueued.set()
+
+        def wait():
+            enqueued.wait()
+            if box["error"] is not None:
+                raise box["error"]
+            if box["event"] is not None:
+                box["event"].wait()
+
+        self.device.submit(enqueue, done)
+        return arrays, wait
 
     def restore(self, arrays, page_ids):
         """Enqueue writes of a snapshot into (fresh) pages; the arrays stay alive until done."""
-        event = None
-        for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
-            for i, page in enumerate(page_ids):
-                event = self.device.write_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
-                                                       pages * page_bytes)
-        self.device.flush()
-        self.uploads = [(e, a) for e, a in self.uploads
-                        if not self.device.finished(e)] + [(event, arrays)]
+        def enqueue():
+            event = None
+            for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
+                for i, page in enumerate(page_ids):
+                    event = self.device.write_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
+                                                           pages * page_bytes)
+            self.device.flush()
+            with self.lock:
+                self.uploads = [(e, a) for e, a in self.uploads if not self.device.finished(e)] + [(event, arrays)]
+
+        self.device.submit(enqueue, _reported("checkpoint restore"))
+
+
+def _reported(what):
+    def done(_, error):
+        if error is not None:
+            log.error("%s failed on the device: %s", what, error, extra={"event": "device_command_failed"})
+    return done

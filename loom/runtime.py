@@ -18,6 +18,7 @@ import collections
 import itertools
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -292,6 +293,9 @@ class ExecPlan:
         pool = prepared.device.pool
         self.scratch = {}
         self.executables = []
+        self.lock = threading.Lock()
+        self.pending = 0            # runs handed to the submission thread, not enqueued yet
+        self.release_wanted = False
         try:
             for name, (dtype, dims) in layout.scratch.items():
                 nbytes = vm.itemsize(dtype) * math.prod(dims)
@@ -338,7 +342,23 @@ class ExecPlan:
         device.flush()
         return event
 
+    def enqueued(self):
+        """A submitted run is on the device queue (the submission thread): a release asked
+        for meanwhile happens now, once no submitted run still needs the buffers."""
+        with self.lock:
+            self.pending -= 1
+            deferred = self.pending == 0 and self.release_wanted
+        if deferred:
+            self._release()
+
     def release(self):
+        with self.lock:
+            if self.pending:
+                self.release_wanted = True      # a run still waits to be enqueued
+                return
+        self._release()
+
+    def _release(self):
         for buf in self.scratch.values():
             buf.release()
         self.scratch = {}
@@ -350,10 +370,12 @@ class ExecPlan:
 def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None, on_submit=None):
     """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
     `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
-    Copies are non-blocking and the wait for the device happens on a worker, so
-    the loop never blocks on the device. With `after(buffers, finish)` the outputs
-    stay on the device for more work queued behind the plan (sampling), which
-    calls finish(values, error) itself. on_submit() runs once the step is queued."""
+    The loop only allocates and plans: the device's submission thread enqueues the
+    copies and launches (device.submit) and a worker waits for the results, so the
+    loop never blocks on the device, not even in a driver's enqueue. With
+    `after(buffers) -> (transfers, cleanup)` more work is queued behind the plan on
+    the submission thread (sampling), and its transfers are the step's results.
+    on_submit() runs on the loop once the step is handed over (its deadline starts)."""
     device = prepared.device
     buffers, host = {}, []
 
@@ -366,7 +388,6 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
     try:
         for name, array in inputs.items():
             buffers[name] = device.pool.alloc(array.nbytes, prepared.name, "workspace")
-            device.upload_async(buffers[name], array)
             host.append(array)  # alive until the copy has completed
         for name, (dtype, count) in outputs.items():
             buffers[name] = device.pool.alloc(np.dtype(dtype).itemsize * count, prepared.name, "workspace")
@@ -374,23 +395,48 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
         finish(None, e)
         return
 
+    def enqueue(plan):
+        """On the submission thread: nothing here waits for the device."""
+        for name, array in inputs.items():
+            device.upload_async(buffers[name], array)
+        plan.run(buffers)
+        if after is not None:
+            return after(buffers)
+        return {name: device.download_async(buffers[name], dtype, count)
+                for name, (dtype, count) in outputs.items()}, None
+
+    def enqueued(result, error):
+        if error is not None:
+            finish(None, error)
+            return
+        transfers, cleanup = result
+
+        def waited(values, error):
+            if cleanup is not None:
+                cleanup()
+            finish(values, error)
+
+        loop.run_in_executor(lambda: {name: t.wait() for name, t in transfers.items()}, waited)
+
     def planned(plan, error):
         if error is not None:
             finish(None, error)
             return
-        plan.run(buffers)
-        if after is not None:
-            after(buffers, finish)
-            if on_submit is not None:
-                on_submit()
-            return
-        transfers = {name: prepared.device.download_async(buffers[name], dtype, count)
-                     for name, (dtype, count) in outputs.items()}
-        loop.run_in_executor(lambda: {name: t.wait() for name, t in transfers.items()}, finish)
+        with plan.lock:
+            plan.pending += 1
+        device.submit(lambda: _run_plan(plan, enqueue),
+                      lambda result, error: loop.call_soon_threadsafe(enqueued, result, error))
         if on_submit is not None:
-            on_submit()     # the device has the step: its deadline runs from here, JIT excluded
+            on_submit()     # handed to the device: the step's deadline runs from here, JIT excluded
 
     prepared.plan_async(command, geometry, planned)
+
+
+def _run_plan(plan, enqueue):
+    try:
+        return enqueue(plan)
+    finally:
+        plan.enqueued()
 
 
 def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None,

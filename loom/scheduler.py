@@ -606,7 +606,7 @@ class TextEngine(CohortEngine):
             cp.suspending.append(done)
             return
         cp.suspending = [done]
-        arrays, event = self.paged.snapshot(cp.pages)
+        arrays, wait = self.paged.snapshot(cp.pages)
 
         def read(_, error):
             waiters, cp.suspending = cp.suspending, None
@@ -618,7 +618,7 @@ class TextEngine(CohortEngine):
             for fn in waiters:
                 fn(cp, error)
 
-        self.loop.run_in_executor(lambda: event.wait() if event is not None else None, read)
+        self.loop.run_in_executor(wait, read)
 
     def delete(self, name):
         cp = self.checkpoints.get(name)
@@ -757,7 +757,7 @@ class TextEngine(CohortEngine):
         R = len(work)
         runtime.run_stage(self.prepared, self.loop, "advance", {"T": len(tokens), "R": R}, inputs,
                           {"logits": (np.float32, R * self.vocab)}, done,
-                          after=lambda buffers, finish: self._sample(buffers, R, params, seeds, finish),
+                          after=lambda buffers: self._sample(buffers, R, params, seeds),
                           on_submit=self.submitted)
 
     def _launch_encode(self, work, done):
@@ -775,27 +775,32 @@ class TextEngine(CohortEngine):
         runtime.run_stage(self.prepared, self.loop, "encode", {"T": len(tokens)}, inputs,
                           {"out": (np.uint8, len(tokens) * self.out_bytes)}, done, on_submit=self.submitted)
 
-    def _sample(self, buffers, R, params, seeds, done):
-        """Runs after `advance` on the same in-order queue: logits -> token ids on the device."""
+    def _sample(self, buffers, R, params, seeds):
+        """On the submission thread, after `advance` on the same in-order queue: logits ->
+        token ids on the device. -> ({"ids": transfer}, cleanup) for run_stage."""
         device = self.prepared.device
         pool = device.pool
         owner = self.prepared.name
-        extra = {"params": pool.alloc(params.nbytes, owner, "workspace", host=params),
-                 "seeds": pool.alloc(seeds.nbytes, owner, "workspace", host=seeds),
-                 "work": pool.alloc(4 * R * self.vocab, owner, "workspace"),
-                 "ids": pool.alloc(4 * R, owner, "workspace")}
+        extra = {}
+
+        def release():
+            for buf in extra.values():
+                buf.release()
+
+        try:
+            extra["params"] = pool.alloc(params.nbytes, owner, "workspace", host=params)
+            extra["seeds"] = pool.alloc(seeds.nbytes, owner, "workspace", host=seeds)
+            extra["work"] = pool.alloc(4 * R * self.vocab, owner, "workspace")
+            extra["ids"] = pool.alloc(4 * R, owner, "workspace")
+        except BaseException:
+            release()
+            raise
         kernel = device.kernel(self.sampler.program, "sample")
         kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
                         extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
         device.launch(kernel, (R,), (1,))   # a row per work-group: rows spread over cores
         transfer = device.download_async(extra["ids"], np.int32, R)
-
-        def release(values, error):
-            for buf in extra.values():
-                buf.release()
-            done(values, error)
-
-        self.loop.run_in_executor(lambda: {"ids": transfer.wait()}, release)
+        return {"ids": transfer}, release
 
     def apply(self, work, values, error):
         if error is not None:

@@ -88,6 +88,9 @@ def test_a_hostile_package_fails_its_registration_and_the_server_serves_on(serve
     # More local memory than any device has: the build or the trial refuses it.
     ("local", NORMALIZE, "    __local float big[1 << 28];\n    big[s] = sum;\n    sum = big[0];\n" + NORMALIZE,
      {"compile", "device_limit"}),
+    # A state no device can hold (issue 15.7: it used to fail with code internal).
+    ("state", "policy {", "state big : f32 [2147483647, 2147483647]\n\npolicy {", {"device_memory"}),
+    ("state_dims", "policy {", "state big : f32 [2147483648, 2147483648]\n\npolicy {", {"bind"}),
     # A scratch no device can hold.
     ("scratch", "    scratch pooled : f32 [S, D]", "    scratch pooled : f32 [S, D]\n    scratch huge : f32 [T * 65536, 2147483647]",
      {"device_limit"}),

@@ -507,20 +507,20 @@ def test_a_preparation_past_its_timeout_fails_and_the_next_one_runs(thread_serve
     def slow(name, *args, **kwargs):
         prepared = real(name, *args, **kwargs)
         if name == "slow":
-            time.sleep(2.5)             # a worker stuck in reading a file, say
+            time.sleep(6)               # a worker stuck in reading a file, say
             original = prepared.release
             prepared.release = lambda: (original(), released.set())
         return prepared
 
     monkeypatch.setattr(runtime, "prepare", slow)
-    ts = thread_server(device="cpu", prepare_timeout=0.5)
+    ts = thread_server(device="cpu", prepare_timeout=3)   # room for the next one's trial run on a busy host
     doc = {"kind": "embedding", "sources": [SOURCE], "checkpoint": "m.gguf", "base_directory": str(tmp_path)}
     assert call(ts, "/v1/models/register", dict(doc, model="slow"))[0] == 202
     assert call(ts, "/v1/models/register", dict(doc, model="next"))[0] == 202
-    reg = wait_phase(ts, "slow", "failed", timeout=5)
+    reg = wait_phase(ts, "slow", "failed", timeout=10)
     assert reg["error"]["code"] == "prepare_timeout"
     wait_phase(ts, "next", "ready", timeout=20)       # its preparation did not wait for the stuck one
     status, body = call(ts, "/v1/embeddings", {"model": "slow", "input": [[1]]})
     assert status == 422 and body["error"]["code"] == "model_failed"
-    assert released.wait(10)                            # the late result was let go
+    assert released.wait(15)                            # the late result was let go
     assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("slow")) is None

@@ -4,6 +4,7 @@ against an independent numpy forward pass."""
 
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -289,3 +290,37 @@ def test_non_finite_block_scales_fail_preparation(thread_server, tmp_path):
         time.sleep(0.05)
     assert reg.phase == "failed" and reg.error["code"] == "weights" and "non-finite" in reg.error["message"]
     assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("bad")) is None
+
+
+def test_a_driver_that_blocks_in_an_enqueue_never_blocks_the_loop(thread_server, tmp_path, monkeypatch):
+    """Steps are enqueued by the device's submission thread: an enqueue that blocks (a
+    driver whose queue is full behind a slow kernel) leaves /healthz answering at once,
+    and the step still completes, exactly."""
+    from loom import device as device_module
+    expected = write_gguf(tmp_path / "m.gguf", "F32", seed=9)
+    ts = thread_server(device="cpu")
+    reg = ts.call(ts.server.registry.register, {
+        "model": "m", "kind": "embedding", "sources": [os.path.join(PACKAGE, "affine.loom")],
+        "checkpoint": str(tmp_path / "m.gguf")}, str(tmp_path))
+    deadline = time.monotonic() + 30
+    while ts.call(lambda: reg.phase) == "preparing" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    real = device_module.Device.upload_async
+
+    def blocking(self, buf, array, offset=0):
+        time.sleep(2.0)
+        return real(self, buf, array, offset)
+
+    monkeypatch.setattr(device_module.Device, "upload_async", blocking)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=post(ts, {"model": "m", "input": [[3, 4]]})))
+    worker.start()
+    time.sleep(0.3)
+    for _ in range(5):
+        started = time.monotonic()
+        assert ts.request("GET", "/healthz")[0] == 200
+        assert time.monotonic() - started < 0.5
+    worker.join(30)
+    status, body = result["r"]
+    assert status == 200, body
+    np.testing.assert_allclose(body["data"][0]["embedding"], reference(*expected, [[3, 4]])[0], atol=2e-5, rtol=1e-4)
