@@ -767,6 +767,7 @@ class Device:
         # never the server's loop.
         self._submissions = queue_module.SimpleQueue()
         self._submitter = None
+        self._limits = None
 
     def describe(self) -> str:
         i = self.info
@@ -879,8 +880,10 @@ class Device:
 
     def limits(self) -> dict:
         """What one launch may ask of this device."""
-        return {"local_memory_bytes": int(self.cl_device.local_mem_size),
-                "work_group_size": int(self.cl_device.max_work_group_size)}
+        if self._limits is None:
+            self._limits = {"local_memory_bytes": int(self.cl_device.local_mem_size),
+                            "work_group_size": int(self.cl_device.max_work_group_size)}
+        return self._limits
 
     def local_memory_bytes(self, kernel) -> int:
         """The __local memory one work-group of ``kernel`` needs."""

@@ -37,6 +37,7 @@ STATUS = {
     # device
     "device_memory": 503,
     "step_timeout": 503,
+    "device_limit": 500,      # the package cannot run this geometry on this device
 }
 
 

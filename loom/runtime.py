@@ -284,6 +284,21 @@ class Prepared:
         self.device.pool.trim(0, owner=self.name)
 
 
+MAX_WORK_ITEMS = 1 << 40   # one launch; past this a grid is a runaway, not a workload
+
+
+def _check_limits(device, kernel, launch):
+    """A launch the device cannot take fails its plan (code device_limit), never the driver."""
+    limits = device.limits()
+    items = math.prod(launch.grid) if launch.grid else 1
+    group = math.prod(launch.local) if launch.local else 1
+    local = device.local_memory_bytes(kernel)
+    if items > MAX_WORK_ITEMS or group > limits["work_group_size"] or local > limits["local_memory_bytes"]:
+        raise Problem(f"kernel {launch.kernel} at this geometry launches {items} work-items in groups of {group} "
+                      f"with {local} bytes of local memory; the device takes at most {MAX_WORK_ITEMS}, "
+                      f"{limits['work_group_size']} and {limits['local_memory_bytes']}", "device_limit")
+
+
 class ExecPlan:
     """A launch plan bound to device buffers and kernel objects, ready to replay."""
 
@@ -309,6 +324,7 @@ class ExecPlan:
                     self.executables.append(executable)
                 entry = binding.module.find("kernels", launch.kernel).entry
                 kernel = prepared.device.kernel(executable.program, entry)
+                _check_limits(prepared.device, kernel, launch)
                 for i, (value, kind) in enumerate(zip(launch.args, launch.arg_types)):
                     if kind == "int":
                         kernel.set_arg(i, np.int32(value))

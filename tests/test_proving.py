@@ -161,3 +161,22 @@ def test_a_step_past_its_deadline_fails_the_deployment_and_sigterm_still_exits(l
     stopping = time.monotonic()
     assert server.stop(timeout=15) == 0
     assert time.monotonic() - stopping < 2 + 3       # the grace, plus the bounded device teardown
+
+
+def test_a_geometry_over_the_device_limits_fails_its_request_not_the_server(server, tmp_path):
+    """Plan time checks every launch against the device (issue 15: launch geometry, local
+    memory): a grid that runs away only beyond the probe answers 500 device_limit for that
+    request, and the same deployment still serves the shapes it can."""
+    text = open(SOURCE).read()
+    old = "    defines { N = DIM, EPS = EPS }\n    grid [S]"
+    assert old in text
+    (tmp_path / "runaway.loom").write_text(text.replace(
+        old, "    defines { N = DIM, EPS = EPS }\n    grid [(S - 1) * 1073741824 + S, (S - 1) * 1073741824 + 1]"))
+    doc = dict(server.doc, model="runaway", sources=[str(tmp_path / "runaway.loom")])
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    wait_phase(server, "runaway", "ready")
+    status, body = call(server, "/v1/embeddings", {"model": "runaway", "input": [[1], [2]]})
+    assert status == 500 and body["error"]["code"] == "device_limit", body
+    status, body = call(server, "/v1/embeddings", {"model": "runaway", "input": [[1]]})
+    assert status == 200, body
+    embeds_right(server)
