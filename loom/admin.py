@@ -10,7 +10,7 @@ import logging
 import os
 import re
 
-from . import jsonin, packages, runtime
+from . import jsonin, packages, registry, runtime
 from .errors import Error
 from .http import Deferred, Response, page
 from .jsonin import Arr, Bool, Enum, Int, Obj, Str
@@ -248,10 +248,11 @@ def stage_variant(server, request):
         else:
             paths.append(runtime.resolve(directory, source) if directory else source)
     # Staging keeps the uploaded bytes only until its executables are built.
-    return _stage(server, reg, base, paths, loaded, body.get("wait", True))
+    includes = registry.Files.include_reader(directory, package)
+    return _stage(server, reg, base, paths, loaded, includes, body.get("wait", True))
 
 
-def _stage(server, reg, base, paths, loaded, wait):
+def _stage(server, reg, base, paths, loaded, includes, wait):
     prepared = reg.prepared
     if len(prepared.variants) >= reg.doc["variant_capacity"]:
         raise Error(429, f"model {reg.name!r} holds {len(prepared.variants)} variants, its variant_capacity",
@@ -300,7 +301,7 @@ def _stage(server, reg, base, paths, loaded, wait):
         variant.binding, variant.sources = result
         compile_probes(reg, prepared, variant.binding, variant.sources, probed)
 
-    server.loop.run_in_executor(runtime.stage_binding, bound, prepared, paths, loaded)
+    server.loop.run_in_executor(runtime.stage_binding, bound, prepared, paths, loaded, includes)
     if deferred is not None:
         return deferred
     return Response.json({"selected": prepared.selected, "variant": variant.record()}, 202)

@@ -181,6 +181,13 @@ class Compiler:
 
     # -- sources -----------------------------------------------------------
 
+    def library_file(self, name: str):
+        """The text of ``opencl/NAME`` (a plain file name: .cl or .h) for an #include, or None."""
+        if "/" in name or not re.fullmatch(r"[A-Za-z0-9_]+\.(cl|h)", name):
+            return None
+        path = self.library / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
     def library_source(self, name: str) -> str:
         """``opencl/NAME.cl`` with ``common.cl`` (when present) in front. Reads
         files: call it while preparing, not on the loop."""

@@ -566,8 +566,48 @@ def parse(text, source=None, checked=True):
 # -- checking ----------------------------------------------------------------------
 
 # Preprocessor file access in any spelling: '#', the digraph '%:' or the trigraph '??=',
-# then include/include_next/import/embed; and the __has_include family.
+# then include/include_next/import/embed; and the __has_include family. Of these only
+# INCLUDE's plain form passes: a quoted relative name that the server itself resolves
+# inside the package or the kernel library (include_files), never on the filesystem.
 _FILE_DIRECTIVE = re.compile(r"(?:#|%:|\?\?=)\s*(?:include|import|embed)|__has_(?:include|embed)")
+INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"((?:[A-Za-z0-9_-][A-Za-z0-9_.-]*/)*[A-Za-z0-9_-][A-Za-z0-9_.-]*)"'
+                     r'[ \t]*(?://.*)?$', re.M)
+MAX_INCLUDE_DEPTH = 8
+
+
+def include_problem(text):
+    """Why an OpenCL source's file directives are not all plain package includes, or None."""
+    text = text.replace("\\\n", "")
+    plain = {m.start() for m in INCLUDE.finditer(text)}
+    for m in _FILE_DIRECTIVE.finditer(text):
+        line = text.rfind("\n", 0, m.start()) + 1
+        if line not in plain or any(part in ("", ".", "..") for part in
+                                    INCLUDE.match(text, line).group(1).split("/")):
+            shown = text[line:text.find("\n", m.start()) if "\n" in text[m.start():] else None].strip()
+            return (f"{shown[:80]!r}: only #include \"relative/name\" is allowed, resolved inside the package "
+                    "or the kernel library")
+    return None
+
+
+def include_files(kernel, text, read, depth=0):
+    """`text` with each #include "name" replaced by read(name) (the package's file, else the
+    kernel library's), recursively; LoomError for a name found in neither."""
+    if depth > MAX_INCLUDE_DEPTH:
+        raise LoomError(f"kernel {kernel}: includes nest deeper than {MAX_INCLUDE_DEPTH}")
+    problem = include_problem(text)
+    if problem:
+        raise LoomError(f"kernel {kernel}: {problem}")
+
+    def expand(m):
+        name = m.group(1)
+        body = read(name)
+        if body is None:
+            raise LoomError(f"kernel {kernel} includes {name!r}, which is neither in the package nor the "
+                            "kernel library")
+        line = text.count("\n", 0, m.start()) + 2
+        return f'#line 1 "{name}"\n{include_files(kernel, body, read, depth + 1)}\n#line {line} "{kernel}"'
+
+    return INCLUDE.sub(expand, text.replace("\\\n", ""))
 
 
 def check(module, source=None):
@@ -596,9 +636,9 @@ def check(module, source=None):
         for code in ([s.page] if s.page else []) + s.dims:
             _check_expr(code, specs, f"state {s.name}", fail)
     for k in module.kernels:
-        if k.source is not None and _FILE_DIRECTIVE.search(k.source.replace("\\\n", "")):
-            fail(f"kernel {k.name}: an inline source may not include files (#include, #import, #embed, "
-                 "__has_include); library kernels are named with from \"file.cl\"")
+        problem = include_problem(k.source) if k.source is not None else None
+        if problem:
+            fail(f"kernel {k.name}: an inline source reads no server file: {problem}")
         names = set(specs)
         for arg in k.args:
             if arg.name in names:

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 
-from . import jsonin, language, proving, runtime, tokenizer
+from . import jsonin, language, open_regular, proving, runtime, tokenizer
 from .errors import Error, Problem
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, Str
 
@@ -101,6 +101,25 @@ class Files:
             else:
                 self.loaded.append((path, data))
         self.assets = self._assets(doc, base, package)
+        self.includes = self.include_reader(base, package)
+
+    @staticmethod
+    def include_reader(base, package):
+        """includes(name) -> bytes | None for a kernel's #include "name": a member of the
+        uploaded package (from the request's folder), else a file under base_directory;
+        names never hold '..' or a leading '/' (language.INCLUDE), so nothing escapes."""
+        if package is not None:
+            return package.reader(package.base)
+        if base is None:
+            return None
+
+        def read(name):
+            path = os.path.join(base, name)
+            if not os.path.isfile(path):
+                return None
+            with open_regular(path) as f:
+                return f.read()
+        return read
 
     @staticmethod
     def _code(ref, base, package, param):
@@ -408,7 +427,8 @@ class Registry:
 
         def work():
             return runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
-                                   progress, loaded=files.loaded, preserved=files.preserved, assets=files.assets)
+                                   progress, loaded=files.loaded, preserved=files.preserved, assets=files.assets,
+                                   includes=files.includes)
 
         def finished(prepared, error):
             if reg.timed_out:       # this answer is too late: the registration has already failed

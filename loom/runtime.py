@@ -456,7 +456,7 @@ def _run_plan(plan, enqueue):
 
 
 def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None,
-            preserved=(), assets=None):
+            preserved=(), assets=None, includes=None):
     """Everything that reads files or uploads weights; runs on a worker thread.
     `loaded` holds (name, bytes) sources from an uploaded package; `preserved` the
     document's (role, path, bytes|None) prepare and control modules; `assets` a
@@ -479,13 +479,7 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
             binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""))
         except LoomError as e:
             raise PrepareError(str(e), "bind") from None
-        sources = {}
-        for kernel in module.kernels:
-            try:
-                sources[kernel.name] = (compiler.library_source(kernel.library[:-3]) if kernel.library
-                                        else kernel.source)
-            except ValueError as e:
-                raise PrepareError(f"kernel {kernel.name}: {e}", "source") from None
+        sources = kernel_sources(module, compiler, includes)
         prepared = Prepared(name, module, binding, device, compiler, sources)
         prepared.preserved = preserved
         prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint, assets)
@@ -572,10 +566,11 @@ def next_variant_id():
     return next(_variant_ids)
 
 
-def stage_binding(prepared, source_paths, loaded=None):
+def stage_binding(prepared, source_paths, loaded=None, includes=None):
     """Bind staged sources against a prepared deployment's checkpoint and check
     the resource contract. Runs on a worker (it reads files). `loaded` is an
-    optional list of (name, bytes) for sources uploaded in a package."""
+    optional list of (name, bytes) for sources uploaded in a package; includes(name)
+    reads what their kernels #include (kernel_sources)."""
     try:
         module = load_module(source_paths, loaded, prepared.preserved)
     except (LoomError, OSError) as e:
@@ -598,11 +593,27 @@ def stage_binding(prepared, source_paths, loaded=None):
     if module.policy is not None and module.policy != (prepared.module.policy or None):
         raise PrepareError("the sources change the policy; that needs a new registration", "contract")
     module.policy = prepared.module.policy
+    return binding, kernel_sources(module, prepared.compiler, includes)
+
+
+def kernel_sources(module, compiler, includes=None):
+    """kernel name -> OpenCL source: a library kernel's file, or the inline source with its
+    #include "name" lines filled from includes(name) (the package's files: bytes or None),
+    else from the kernel library; nothing else is read."""
+    def read(name):
+        data = includes(name) if includes is not None else None
+        if data is None:
+            return compiler.library_file(name)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise LoomError(f"{name} is not UTF-8 text") from None
+
     sources = {}
     for kernel in module.kernels:
         try:
-            sources[kernel.name] = (prepared.compiler.library_source(kernel.library[:-3]) if kernel.library
-                                    else kernel.source)
-        except ValueError as e:
+            sources[kernel.name] = (compiler.library_source(kernel.library[:-3]) if kernel.library
+                                    else language.include_files(kernel.name, kernel.source, read))
+        except ValueError as e:     # LoomError too
             raise PrepareError(f"kernel {kernel.name}: {e}", "source") from None
-    return binding, sources
+    return sources

@@ -129,11 +129,26 @@ BAD_SOURCES = [
     ("module x\npolicy {\"a\": 1, \"a\": 2}", 2, 8, "not strict JSON"),
     ("module x\nspec a = 1 $", 2, 12, "unexpected character"),
 ]
-# Issue 15.7: an inline kernel reads no server file, in any preprocessor spelling.
+# Issue 15.7: an inline kernel reads no server file, in any preprocessor spelling; only a
+# quoted relative #include passes, which the server resolves in the package or the library.
 for directive in ('#include "/etc/passwd"', ' #  include <x.h>', '%:include "a"', '??=include "a"',
-                  '#import "a"', '#embed "a"', '#if __has_include("/etc/passwd")\n#endif', '#inc\\\nlude "a"'):
+                  '#import "a"', '#embed "a"', '#if __has_include("/etc/passwd")\n#endif', '#include "../up.h"',
+                  '#include "a/./b.h"', '#include MACRO', '#inc\\\nlude "/etc/passwd"'):
     BAD_SOURCES.append((f'module x\nkernel k(a: buf) source """{directive}\n__kernel void k() {{}}""" grid [1]',
-                        None, None, "may not include files"))
+                        None, None, "reads no server file"))
+
+
+def test_includes_resolve_in_the_package_then_the_library_and_nowhere_else():
+    found = {"norm.h": "#define NORM 1\n#include \"inner/deep.h\"", "inner/deep.h": "#define DEEP 2"}
+    text = language.include_files("k", 'a\n#include "norm.h"\nb', found.get)
+    assert "#define NORM 1" in text and "#define DEEP 2" in text and text.endswith('#line 3 "k"\nb')
+    with pytest.raises(LoomError, match="neither in the package nor the kernel library"):
+        language.include_files("k", '#include "missing.h"', found.get)
+    loop = {"a.h": '#include "a.h"'}
+    with pytest.raises(LoomError, match="nest deeper"):
+        language.include_files("k", '#include "a.h"', loop.get)
+    with pytest.raises(LoomError, match="reads no server file|only #include"):
+        language.include_files("k", '#include "x.h"', {"x.h": '#include "/etc/passwd"'}.get)
 
 
 @pytest.mark.parametrize("text,line,col,message", BAD_SOURCES, ids=[b[3] for b in BAD_SOURCES])

@@ -524,3 +524,35 @@ def test_a_preparation_past_its_timeout_fails_and_the_next_one_runs(thread_serve
     assert status == 422 and body["error"]["code"] == "model_failed"
     assert released.wait(15)                            # the late result was let go
     assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("slow")) is None
+
+
+def test_kernel_includes_resolve_inside_the_package(server, tmp_path):
+    """Issue 15.7: an inline kernel's #include "name" reads the package's own file (an
+    upload's member, or a file under base_directory), never any other server file."""
+    scaled = open(SOURCE).read().replace(
+        "__kernel void l2_normalize", '#include "scale.h"\n__kernel void l2_normalize').replace(
+        "float scale = 1.0f / fmax", "float scale = SCALE / fmax")
+    (tmp_path / "scaled.loom").write_text(scaled)
+    (tmp_path / "scale.h").write_text("#define SCALE 2.0f\n")
+    want = reference(*server.expected, [[4, 5]])
+    # Server files: the include resolves under base_directory.
+    assert call(server, "/v1/models/register", dict(server.doc, model="local", sources=["scaled.loom"]))[0] == 202
+    wait_phase(server, "local", "ready")
+    np.testing.assert_allclose(embeddings(server, "local", [[4, 5]]), 2 * want, atol=4e-5, rtol=1e-4)
+    # An upload: the include is the package's member, not the server file of the same name.
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "scale.h").write_text("#define SCALE 3.0f\n")
+    (tmp_path / "r.json").write_text(json.dumps(dict(server.doc, model="up", sources=["scaled.loom"])))
+    body = curl_form(server, "/v1/models/register", f"request=@{tmp_path}/r.json;filename=pkg/r.json",
+                     f"file=@{tmp_path}/scaled.loom;filename=pkg/scaled.loom",
+                     f"file=@{tmp_path}/up/scale.h;filename=pkg/scale.h")
+    assert body["object"] == "registration", body
+    wait_phase(server, "up", "ready")
+    np.testing.assert_allclose(embeddings(server, "up", [[4, 5]]), 3 * want, atol=6e-5, rtol=1e-4)
+    # A name in neither the package nor the library fails the registration.
+    (tmp_path / "r.json").write_text(json.dumps(dict(server.doc, model="missing", sources=["scaled.loom"])))
+    body = curl_form(server, "/v1/models/register", f"request=@{tmp_path}/r.json;filename=pkg/r.json",
+                     f"file=@{tmp_path}/scaled.loom;filename=pkg/scaled.loom")
+    reg = wait_phase(server, "missing", "failed")
+    assert reg["error"]["code"] == "source" and "neither in the package nor the kernel library" in \
+        reg["error"]["message"]
