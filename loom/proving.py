@@ -87,15 +87,10 @@ def _say(message):
     sys.stdout.flush()
 
 
-def _storage_bytes(shape, storage):
-    from .weights import BLOCK_LAYOUT
-    values, size = BLOCK_LAYOUT.get(storage, (1, 4))
-    return int(np.prod(shape, dtype=np.int64)) // values * size
-
-
 def _run(job):
     from . import device, vm
     from .compiler import Compiler, run_now
+    from .runtime import state_bytes, storage_bytes
     device.assume_usable()
     dev = device.Device(job["device"])
     compiler = Compiler(dev, run_now)
@@ -103,7 +98,7 @@ def _run(job):
     buffers = {}
     for key, bp in binding.params.items():
         if bp.alias is None:
-            buffers[("param", key)] = dev.guarded(_storage_bytes(bp.shape, bp.storage))
+            buffers[("param", key)] = dev.guarded(storage_bytes(bp.shape, bp.storage))
     for key, bp in binding.params.items():
         target = bp.alias
         while target is not None and binding.params[target].alias is not None:
@@ -111,9 +106,7 @@ def _run(job):
         if target is not None:
             buffers[("param", key)] = buffers[("param", target)]
     for state in binding.states.values():
-        pages = binding.options.get("pages", 0) if state.page else 1
-        count = int(np.prod(state.dims, dtype=np.int64)) * (state.page * pages if state.page else 1)
-        buffers[("state", state.name)] = dev.guarded(vm.itemsize(state.dtype) * count)
+        buffers[("state", state.name)] = dev.guarded(state_bytes(binding, state))
     programs = {key: compiler.load_binary(binary, name=key[0]) for key, binary in job["binaries"].items()}
     limits = dev.limits()
     local_limit, group_limit = limits["local_memory_bytes"], limits["work_group_size"]

@@ -494,16 +494,20 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
 def _upload(prepared, checkpoint, progress):
     _upload_params(prepared, checkpoint, progress)
     for state in prepared.binding.states.values():
-        pages = prepared.binding.options.get("pages", 0) if state.page else 1
-        count = math.prod(state.dims) * (state.page * pages if state.page else 1)
-        nbytes = vm.itemsize(state.dtype) * count
-        prepared.states[state.name] = prepared.device.pool.alloc(nbytes, prepared.name, "state")
+        prepared.states[state.name] = prepared.device.pool.alloc(state_bytes(prepared.binding, state),
+                                                                 prepared.name, "state")
+
+
+def state_bytes(binding, state):
+    """A retained state's device bytes: its dims, times the pool's pages when paged."""
+    pages = binding.options.get("pages", 0) if state.page else 1
+    return vm.itemsize(state.dtype) * math.prod(state.dims) * (state.page * pages if state.page else 1)
 
 
 def _upload_params(prepared, checkpoint, progress):
     binding, pool = prepared.binding, prepared.device.pool
     own = [bp for bp in binding.params.values() if bp.alias is None]
-    total = sum(_storage_bytes(bp.shape, bp.storage) for bp in own)
+    total = sum(storage_bytes(bp.shape, bp.storage) for bp in own)
     done = 0
     for bp in own:
         info = checkpoint.tensors.get(bp.tensor)
@@ -538,7 +542,8 @@ def _tokenizer(checkpoint_path, checkpoint, assets):
         raise PrepareError(str(e), "tokenizer") from None
 
 
-def _storage_bytes(shape, storage):
+def storage_bytes(shape, storage):
+    """A param's device bytes in its storage (quantized blocks stay blocks)."""
     values, size = weights.BLOCK_LAYOUT.get(storage, (1, 4))   # I32 params: 4 bytes a value
     return math.prod(shape) // values * size
 
