@@ -229,3 +229,38 @@ def _partial(text, marker):
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+class StopText:
+    """OpenAI's `stop` strings on a stream of generated text: push() returns what is safe
+    to publish now, holding back a tail that could still begin a stop string; once one
+    completes, `hit` is set and the text before it is the last returned. The stop text
+    itself is never returned, wherever the token and delta boundaries fall."""
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.held = ""
+        self.hit = False
+
+    def push(self, text):
+        if self.hit:
+            return ""
+        buf = self.held + text
+        found = [i for i in (buf.find(stop) for stop in self.stops) if i >= 0]
+        if found:
+            self.hit, self.held = True, ""
+            return buf[:min(found)]
+        keep = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep]
+
+    def flush(self):
+        """The held tail once generation has ended without completing a stop string."""
+        out, self.held = ("" if self.hit else self.held), ""
+        return out
+

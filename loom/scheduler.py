@@ -80,6 +80,7 @@ class Sequence:
         self.finish_reason = None
         self.error = None
         self.cancelled = False
+        self.cancel_reason = "cancelled"    # "stop": ended by its owner as a stop token would end it
 
 
 class CohortEngine:
@@ -328,6 +329,14 @@ class TextEngine(CohortEngine):
             self.claimed.discard(seq.session)
             seq.finish_reason = "cancelled"
             seq.on_done("cancelled")
+        self.kick()
+
+    def stop(self, seq):
+        """End a running sequence at the next step boundary as though it had generated a
+        stop token (its owner found a stop string): a session keeps its history."""
+        if seq.cancelled or seq.finish_reason is not None or seq.row is None:
+            return
+        seq.cancelled, seq.cancel_reason = True, "stop"
         self.kick()
 
     def _unborrow(self, seq):
@@ -702,7 +711,7 @@ class TextEngine(CohortEngine):
         prefill chunks, within the token budget -- or None when nothing can run."""
         for row, seq in enumerate(self.rows):
             if seq is not None and seq.cancelled:
-                self._retire(row, "cancelled")
+                self._retire(row, seq.cancel_reason)
         self._admit()
         work, budget = [], self.token_budget
         for row, seq in enumerate(self.rows):

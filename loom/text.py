@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from . import kinds, registry
-from .chat import ChatPolicy, ToolCallError
+from .chat import ChatPolicy, StopText, ToolCallError
 from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
@@ -126,8 +126,13 @@ TOOL_CALL = Obj({"id": Str(), "type": Enum(["function"]),
                  "function": Obj({"name": Str(min_len=1), "arguments": Str()})})
 MESSAGE = Obj({"role": Enum(["system", "user", "assistant", "tool"]), "content": OneOf(CONTENT, optional=True,
                                                                                        nullable=True),
-               "name": Str(optional=True), "tool_calls": Arr(TOOL_CALL, optional=True),
-               "tool_call_id": Str(optional=True)})
+               "name": Str(optional=True), "tool_calls": Arr(TOOL_CALL, optional=True, nullable=True),
+               "tool_call_id": Str(optional=True),
+               # What an assistant message that came back from here carries, sent back as history
+               # (a client appends the message it got): accepted; past reasoning is not re-rendered.
+               "reasoning_content": Str(optional=True, nullable=True), "refusal": Str(optional=True, nullable=True),
+               "annotations": Arr(Obj(None), optional=True, nullable=True),
+               "audio": Obj(None, optional=True, nullable=True), "function_call": Obj(None, optional=True, nullable=True)})
 TOOL = Obj({"type": Enum(["function"]), "function": Obj({"name": Str(min_len=1, max_len=64),
                                                           "description": Str(optional=True),
                                                           "parameters": Obj(None, optional=True),
@@ -148,6 +153,8 @@ CHAT = Obj({
     "tools": Arr(TOOL, max_len=4096, optional=True),
     "tool_choice": OneOf(Enum(["auto", "none", "required"]), Obj(None), optional=True),
     "store": Bool(optional=True),
+    "stop": OneOf(Str(min_len=1, max_len=1024), Arr(Str(min_len=1, max_len=1024), min_len=1, max_len=4),
+                  optional=True, nullable=True),
 })
 
 
@@ -198,6 +205,10 @@ def _validated(server, request):
     for i, m in enumerate(body["messages"]):
         if m["role"] != "assistant" and m.get("content") is None:
             raise Error(400, f"messages[{i}] needs content", "missing_field", f"messages[{i}].content")
+        for field in ("audio", "function_call"):
+            if m.get(field) is not None:
+                raise Error(400, f"messages[{i}].{field} is not supported (null is accepted)", "unsupported_value",
+                            f"messages[{i}].{field}")
         if m.get("tool_calls") and m["role"] != "assistant":
             raise Error(400, "only assistant messages carry tool_calls", "invalid_value",
                             f"messages[{i}].tool_calls")
@@ -250,7 +261,7 @@ def chat_completions(server, request):
     cp = reg.engine.borrow(checkpoint) if checkpoint is not None else None   # an unknown name is 404 at once
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
-                  body.get("enable_thinking"), choice != "none", session, cp)
+                  body.get("enable_thinking"), choice != "none", session, cp, stop=body.get("stop"))
     return _enter(server, reg, job)
 
 
@@ -382,8 +393,11 @@ class ChatJob(StreamingJob):
     what = "chat completion"
 
     def __init__(self, server, reg, request, policy, prompt, limit, sampling, stream, include_usage, thinking,
-                 tools_allowed, session=None, checkpoint=None):
+                 tools_allowed, session=None, checkpoint=None, stop=None):
         super().__init__(server, reg, request)
+        # `stop` applies to the generated text before it is parsed, so it ends reasoning,
+        # content and tool-call text alike; the stop text is never published.
+        self.stopper = StopText([stop] if isinstance(stop, str) else stop) if stop else None
         self.session = session
         self.checkpoint = checkpoint      # borrowed: released when the engine takes it, or on failure
         self.policy, self.prompt, self.limit, self.sampling = policy, prompt, limit, sampling
@@ -447,12 +461,17 @@ class ChatJob(StreamingJob):
     def on_token(self, token):
         if token in self.stop_ids:
             return   # the terminal token counts in usage but is not text
+        text = self.detok.push(token)
+        if self.stopper is not None:
+            text = self.stopper.push(text)
         try:
-            deltas = self.parser.feed(self.detok.push(token))
+            deltas = self.parser.feed(text)
         except ToolCallError as e:
             self.fail_generation(e)
             return
         self.publish(deltas)
+        if self.stopper is not None and self.stopper.hit:
+            self.engine.stop(self.seq)      # ends at this step's boundary, as a stop token would
 
     def publish(self, deltas):
         for kind, text in deltas:
@@ -475,8 +494,13 @@ class ChatJob(StreamingJob):
             self.finish(error=Error(503, "the KV pool cannot hold the checkpoint's pages right now",
                                         "checkpoint_restore_refused", "X-Loom-Checkpoint"))
             return
+        tail = self.detok.flush()
+        if self.stopper is not None:
+            tail = self.stopper.push(tail) + self.stopper.flush()
+            if self.stopper.hit:
+                reason = "stop"
         try:
-            self.publish(self.parser.feed(self.detok.flush()) + self.parser.close())
+            self.publish(self.parser.feed(tail) + self.parser.close())
         except ToolCallError as e:
             self.fail_generation(e)
             return

@@ -3,6 +3,8 @@
 import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import ROOT
 from loom import language
@@ -124,3 +126,16 @@ def test_model_options_are_validated_and_rendered_where_the_format_declares():
         assert (error.status, error.code, error.param) == (400, code, param)
     with pytest.raises(ChatError):                          # a format that declares none takes none
         ChatPolicy(POLICY, choice="chatml").options({"effort": "high"})
+
+
+@given(st.text(alphabet="ab\u00e9 \n", max_size=40), st.lists(st.text(alphabet="ab\u00e9 ", min_size=1, max_size=4),
+                                                           min_size=1, max_size=4), st.data())
+def test_stop_text_finds_the_first_stop_wherever_the_chunks_split(text, stops, data):
+    from loom.chat import StopText
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    stopper = StopText(stops)
+    out = "".join(stopper.push(c) for c in chunks) + stopper.flush()
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert out == (text[:min(found)] if found else text)
+    assert stopper.hit == bool(found)

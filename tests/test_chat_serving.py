@@ -333,3 +333,73 @@ def test_reasoning_content_is_present_when_thinking_is_on(server):
     final = chunks[-1]["choices"][0]
     assert final["finish_reason"] is not None
     assert reasoned or ("reasoning_content" in final["delta"] and final["delta"]["reasoning_content"] is None)
+
+
+def test_stop_strings_end_the_text_before_them_in_json_and_sse(server):
+    """OpenAI's `stop`: the answer ends right before the first stop string, which is never
+    published (not even split across tokens or SSE deltas); finish_reason is stop."""
+    body = dict(BASE, max_tokens=32, temperature=0)
+    status, whole = chat(server, body)
+    assert status == 200
+    text = whole["choices"][0]["message"]["content"]
+    assert len(text) > 12, text
+    for start, width in ((4, 3), (len(text) // 2, 5), (1, 1)):
+        stop = text[start:start + width]
+        want = text[:text.find(stop)]
+        for stops in (stop, ["never-in-this-text-\u2603", stop]):
+            status, got = chat(server, dict(body, stop=stops))
+            assert status == 200, got
+            assert got["choices"][0]["message"]["content"] == want
+            assert got["choices"][0]["finish_reason"] == "stop"
+            assert got["usage"]["completion_tokens"] <= whole["usage"]["completion_tokens"]
+            events = sse(server, dict(body, stop=stops, stream=True))
+            deltas = [e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]]
+            assert "".join(deltas) == want and events[-1]["choices"][0]["finish_reason"] == "stop"
+    # A stop string that never occurs changes nothing.
+    status, same = chat(server, dict(body, stop=["never-in-this-text-\u2603"]))
+    assert same["choices"][0]["message"]["content"] == text
+    assert same["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("stop", ["", [], ["a"] * 5, 7, [""], ["x" * 1025]])
+def test_stop_rejections(server, stop):
+    status, body = chat(server, dict(BASE, stop=stop))
+    assert status == 400 and body["error"]["param"].startswith("stop"), body
+
+
+def test_stop_with_tools_and_a_named_session(server):
+    """A stop string with tools offered and on a named session: the stopped turn keeps the
+    session usable, and its next turn answers."""
+    tool = {"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    body = dict(BASE, max_tokens=24, tools=[tool])
+    status, whole = chat(server, body)
+    text = whole["choices"][0]["message"]["content"] or ""
+    assert status == 200 and len(text) > 6, whole
+    stop = text[3:6]
+    status, _, raw = server.request("POST", "/v1/chat/completions", body=json.dumps(dict(body, stop=stop)).encode(),
+                                    headers={"Content-Type": "application/json", "X-Loom-Session": "stopper"})
+    got = json.loads(raw)
+    assert status == 200 and got["choices"][0]["message"]["content"] == text[:text.find(stop)]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    # The message as it came back (reasoning_content included) is valid history for the next turn.
+    follow = dict(body, messages=body["messages"] + [got["choices"][0]["message"], {"role": "user", "content": "And?"}])
+    conn = server.connection(timeout=120)      # a new prompt length may compile new kernels first
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(follow).encode(),
+                     headers={"Content-Type": "application/json", "X-Loom-Session": "stopper"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+    finally:
+        conn.close()
+
+
+def test_the_openai_sdk_sends_back_the_message_it_got(server):
+    """A multi-turn SDK client appends the returned message (reasoning_content, refusal and
+    tool_calls as None included): the next turn is accepted."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120)
+    messages = [{"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="scout", messages=messages, max_tokens=4, temperature=0)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Again?"}]
+    second = client.chat.completions.create(model="scout", messages=messages, max_tokens=4, temperature=0)
+    assert second.choices[0].finish_reason in ("length", "stop")
