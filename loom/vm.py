@@ -64,7 +64,7 @@ def itemsize(dtype):
 class Tensor:
     """What binding needs to know of a checkpoint tensor."""
     shape: tuple
-    dtype: str           # F32 | F16 | BF16 | Q8_0 | Q4_0
+    dtype: str           # F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1
 
 
 @dataclass
@@ -75,7 +75,7 @@ class BoundParam:
     alias: tuple | None  # (param, index) this one shares storage with
     shape: tuple
     dtype: str           # the declared dtype (f32 | f16 | i32 | weight)
-    storage: str         # what the device holds: F32, F16, I32, Q8_0, Q4_0
+    storage: str         # what the device holds: F32, F16, I32, Q8_0, Q4_0, Q4_1
 
 
 @dataclass
@@ -530,7 +530,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
     return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver)
 
 
-STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
+STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1"}
 
 
 def _resolve_param(p, index, dims, tensors, params):

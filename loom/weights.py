@@ -13,7 +13,7 @@ what it actually contains. Every problem is a ``WeightsError`` whose message
 names the file and says what was expected where.
 
 Tensor dtypes: F32, F16, BF16 (GGUF and safetensors) and ggml's block formats
-Q8_0 and Q4_0 (GGUF). ``quantize`` and ``dequantize_blocks`` implement ggml's
+Q8_0, Q4_0 and Q4_1 (GGUF). ``quantize`` and ``dequantize_blocks`` implement ggml's
 reference quantizers and dequantizers for those blocks, vectorized in numpy.
 
 Runtime dependencies: the standard library and numpy only.
@@ -51,7 +51,7 @@ def _fail(path: str, detail: str) -> WeightsError:
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: str          # "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0"
+    dtype: str          # "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0" | "Q4_1"
     shape: tuple        # row-major (numpy order)
     offset: int         # absolute byte offset in its file
     nbytes: int
@@ -61,7 +61,8 @@ class TensorInfo:
 # --- Tensor encodings ---------------------------------------------------------
 
 # dtype -> (values per block, bytes per block); plain dtypes are 1-value blocks.
-BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18)}
+BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
+                "Q4_1": (32, 20)}
 # Plain numeric safetensors dtypes that are readable but never weights by default:
 # real checkpoints carry buffers like BERT's int64 position_ids beside the weights.
 _NUMERIC = {"F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
@@ -102,6 +103,12 @@ def dequantize_blocks(raw, dtype: str, count: int) -> np.ndarray:
         return _bf16_to_f32(data.view("<u2"))
     blocks = data.reshape(-1, block_bytes)
     scale = blocks[:, :2].view("<f2").astype(np.float32)          # (blocks, 1)
+    if dtype == "Q4_1":   # d, then the block minimum m, then Q4_0's nibble order: q * d + m
+        low = blocks[:, 2:4].view("<f2").astype(np.float32)
+        packed = blocks[:, 4:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            return (q * scale + low).reshape(-1)
     if dtype == "Q8_0":
         q = blocks[:, 2:].view(np.int8)
     else:  # Q4_0: byte j holds element j (low nibble) and element j + 16 (high nibble)
@@ -260,7 +267,7 @@ _GGML_TYPE_NAMES = {
     23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
     30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }
-_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0"}
+_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
 
 # GGUF metadata value types: scalars by struct code; 8 is a string, 9 an array.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
@@ -353,14 +360,14 @@ def _read_gguf(path: str) -> Checkpoint:
             if dtype is None:
                 known = f"{_GGML_TYPE_NAMES.get(type_id, 'unknown')} ({type_id})"
                 raise _fail(path, f"tensor {name!r} has type {known}, which Loom does not support; "
-                                  f"supported: F32, F16, BF16, Q8_0, Q4_0")
+                                  f"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
             count = 1
             for d in ne:
                 count *= d
                 if d == 0 or count > _INT64_MAX:
                     raise _fail(path, f"tensor {name!r} has dimensions {list(ne)}; each must be positive "
                                       f"and their product at most 2**63-1")
-            if dtype in _QUANTIZED and ne[0] % 32:
+            if BLOCK_LAYOUT[dtype][0] > 1 and ne[0] % BLOCK_LAYOUT[dtype][0]:
                 raise _fail(path, f"tensor {name!r} is {dtype} with a row of {ne[0]} values; "
                                   f"quantized rows must be a multiple of 32")
             if rel % alignment:
@@ -543,7 +550,7 @@ class Checkpoint:
         return memoryview(buf)[t.offset:t.offset + t.nbytes]
 
     def array(self, name: str) -> np.ndarray:
-        """F32/F16: a read-only zero-copy view; BF16: float32; Q8_0/Q4_0: uint8 blocks (rows, row bytes)."""
+        """F32/F16: a read-only zero-copy view; BF16: float32; Q8_0/Q4_0/Q4_1: uint8 blocks (rows, row bytes)."""
         t, buf = self._info(name)
         if t.dtype in ("F32", "F16"):
             item = "<f4" if t.dtype == "F32" else "<f2"

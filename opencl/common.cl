@@ -8,6 +8,7 @@
  *
  * Quantized blocks are the raw ggml layouts, addressed as bytes:
  *   Q8_0: 34 bytes = f16 scale d, 32 x int8 q;           value = d * q
+ *   Q4_1: 20 bytes = f16 scale d, f16 minimum m, then Q4_0's nibbles; value q * d + m
  *   Q4_0: 18 bytes = f16 scale d, 16 bytes of nibbles;   byte j holds element j
  *         in its low nibble and element j + 16 in its high nibble; value = d * (q - 8)
  * Blocks start at even byte offsets.
@@ -36,6 +37,7 @@
 #define LOOM_QK 32          /* elements per quantized block */
 #define LOOM_Q8_0_BYTES 34
 #define LOOM_Q4_0_BYTES 18
+#define LOOM_Q4_1_BYTES 20  /* f16 scale d, f16 minimum m, 16 bytes of nibbles: q * d + m */
 
 /* ---- horizontal sums: accumulators stay vectors in hot loops, reduced once ---- */
 inline float loom_hsum4(float4 v) { return (v.s0 + v.s1) + (v.s2 + v.s3); }
@@ -237,11 +239,30 @@ LOOM_DEF_Q4(4)
 LOOM_DEF_Q4(8)
 LOOM_DEF_Q4(16)
 
+/* Q4_1: the same nibble order as Q4_0, after the 4 bytes of d and m. */
+#define LOOM_DEF_Q4_1(n)                                                         \
+    inline LOOM_CAT(float, n) LOOM_CAT(loom_q4_1_u, n)(const __global uchar *blk, int off) \
+    {                                                                            \
+        LOOM_CAT(uchar, n) b = LOOM_CAT(loom_ld_uchar, n)(blk + 4 + (off & 15)); \
+        return LOOM_CAT(convert_float, n)(off < 16 ? (b & (uchar)15) : (b >> (uchar)4)); \
+    }
+LOOM_DEF_Q4_1(4)
+LOOM_DEF_Q4_1(8)
+LOOM_DEF_Q4_1(16)
+
 /* Scalar element i of a quantized row (slow path: tails, odd sizes). */
 inline float loom_q8_0_at(const __global uchar *row, int i)
 {
     const __global uchar *blk = row + (size_t)(i / LOOM_QK) * LOOM_Q8_0_BYTES;
     return loom_block_scale(blk) * (float)((const __global char *)blk)[2 + i % LOOM_QK];
+}
+inline float loom_q4_1_at(const __global uchar *row, int i)
+{
+    const __global uchar *blk = row + (size_t)(i / LOOM_QK) * LOOM_Q4_1_BYTES;
+    int j = i % LOOM_QK;
+    uchar b = blk[4 + (j & 15)];
+    float q = (float)(j < 16 ? (b & 15) : (b >> 4));
+    return q * loom_block_scale(blk) + loom_block_scale(blk + 2);
 }
 inline float loom_q4_0_at(const __global uchar *row, int i)
 {

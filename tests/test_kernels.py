@@ -177,6 +177,10 @@ def make_weights(kind, w):
         return h, h.astype(np.float64)
     if kind == "Q8_0":
         return quantize_q8_0(w)
+    if kind == "Q4_1":    # gguf's quantizer and dequantizer: an implementation independent of ours
+        import gguf
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+        return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).astype(np.float64)
     return quantize_q4_0(w)
 
 
@@ -229,8 +233,8 @@ def run_matmul(env, kind, n, k, x, wraw, bias=None, y0=None, geometry=(1, 1, 8, 
     return env.read(yb, (t, n))
 
 
-KINDS = ["F32", "F16", "Q8_0", "Q4_0"]
-REL = {"F32": 1e-5, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4}
+KINDS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+REL = {"F32": 1e-5, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_1": 1e-4}
 
 MATMUL_CASES = [
     # (N, K, geometry (ROWS_PER_ITEM, TOKENS_PER_ITEM, WG, VW), bias, accumulate)
@@ -365,6 +369,8 @@ def test_matmul_subnormal_scales(env, kind):
     elif kind in ("Q8_0", "Q4_0"):
         block = 34 if kind == "Q8_0" else 18
         halves = np.abs(wraw.reshape(-1, block)[:, :2].copy().view(np.float16))
+    elif kind == "Q4_1":
+        halves = np.abs(wraw.reshape(-1, 20)[:, :2].copy().view(np.float16))
     if kind != "F32":  # f16 subnormals: nonzero and below the smallest normal
         assert ((halves > 0) & (halves < np.float16(6.104e-5))).mean() > 0.3
     x = rng(32).standard_normal((3, k)).astype(np.float32)
