@@ -82,10 +82,10 @@ def read_preserved(modules):
 def _device_array(checkpoint, tensor, storage):
     """The bytes a param holds on the device, from its checkpoint tensor."""
     info = checkpoint.tensors[tensor]
-    if storage in ("Q8_0", "Q4_0", "Q4_1"):
+    if storage in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         raw = np.frombuffer(checkpoint.raw(tensor), np.uint8)
         block = weights.BLOCK_LAYOUT[storage][1]
-        head = 4 if storage == "Q4_1" else 2     # Q4_1 blocks start with d and the minimum m
+        head = 4 if storage in ("Q4_1", "Q5_1") else 2     # these blocks start with d and the minimum m
         scales = raw.reshape(-1, block)[:, :head].copy().view(np.float16)
         if not np.isfinite(scales).all():
             # The kernels decode blocks without checks: an inf/NaN scale would read back as garbage.

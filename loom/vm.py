@@ -530,7 +530,8 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
     return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver)
 
 
-STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1"}
+STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+           "Q5_1": "Q5_1"}
 
 
 def _resolve_param(p, index, dims, tensors, params):

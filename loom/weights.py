@@ -62,7 +62,7 @@ class TensorInfo:
 
 # dtype -> (values per block, bytes per block); plain dtypes are 1-value blocks.
 BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
-                "Q4_1": (32, 20)}
+                "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
 # Plain numeric safetensors dtypes that are readable but never weights by default:
 # real checkpoints carry buffers like BERT's int64 position_ids beside the weights.
 _NUMERIC = {"F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
@@ -103,6 +103,16 @@ def dequantize_blocks(raw, dtype: str, count: int) -> np.ndarray:
         return _bf16_to_f32(data.view("<u2"))
     blocks = data.reshape(-1, block_bytes)
     scale = blocks[:, :2].view("<f2").astype(np.float32)          # (blocks, 1)
+    if dtype in ("Q5_0", "Q5_1"):   # d (Q5_1: then m), 32 high bits, Q4_0's nibbles; element e takes bit e
+        at = 2 if dtype == "Q5_0" else 4
+        high = blocks[:, at:at + 4].copy().view("<u4")                    # (blocks, 1)
+        packed = blocks[:, at + 4:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.uint32)
+        q |= ((high >> np.arange(32, dtype=np.uint32)) & 1) << 4
+        with np.errstate(invalid="ignore"):
+            if dtype == "Q5_0":
+                return ((q.astype(np.float32) - 16) * scale).reshape(-1)
+            return (q.astype(np.float32) * scale + blocks[:, 2:4].view("<f2").astype(np.float32)).reshape(-1)
     if dtype == "Q4_1":   # d, then the block minimum m, then Q4_0's nibble order: q * d + m
         low = blocks[:, 2:4].view("<f2").astype(np.float32)
         packed = blocks[:, 4:]
@@ -267,7 +277,7 @@ _GGML_TYPE_NAMES = {
     23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
     30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }
-_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1"}
 
 # GGUF metadata value types: scalars by struct code; 8 is a string, 9 an array.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
@@ -360,7 +370,7 @@ def _read_gguf(path: str) -> Checkpoint:
             if dtype is None:
                 known = f"{_GGML_TYPE_NAMES.get(type_id, 'unknown')} ({type_id})"
                 raise _fail(path, f"tensor {name!r} has type {known}, which Loom does not support; "
-                                  f"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
+                                  f"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1")
             count = 1
             for d in ne:
                 count *= d

@@ -38,6 +38,8 @@
 #define LOOM_Q8_0_BYTES 34
 #define LOOM_Q4_0_BYTES 18
 #define LOOM_Q4_1_BYTES 20  /* f16 scale d, f16 minimum m, 16 bytes of nibbles: q * d + m */
+#define LOOM_Q5_0_BYTES 22  /* f16 d, 32 high bits qh, nibbles: ((nibble | bit << 4) - 16) * d */
+#define LOOM_Q5_1_BYTES 24  /* f16 d, f16 m, 32 high bits qh, nibbles: (nibble | bit << 4) * d + m */
 
 /* ---- horizontal sums: accumulators stay vectors in hot loops, reduced once ---- */
 inline float loom_hsum4(float4 v) { return (v.s0 + v.s1) + (v.s2 + v.s3); }
@@ -250,11 +252,42 @@ LOOM_DEF_Q4_1(4)
 LOOM_DEF_Q4_1(8)
 LOOM_DEF_Q4_1(16)
 
+/* Q5_0 / Q5_1: Q4's nibbles (at qs) plus a fifth bit per element: element e of the
+ * block takes bit e of the little-endian 32-bit qh (at qh, read bytewise: blocks are
+ * only 2-byte aligned). Returns the unsigned 5-bit q in [0, 31] as float. */
+inline uint loom_q5_high(const __global uchar *blk, int qh)
+{
+    return (uint)blk[qh] | (uint)blk[qh + 1] << 8 | (uint)blk[qh + 2] << 16 | (uint)blk[qh + 3] << 24;
+}
+#define LOOM_IOTA4 (uint4)(0, 1, 2, 3)
+#define LOOM_IOTA8 (uint8)(0, 1, 2, 3, 4, 5, 6, 7)
+#define LOOM_IOTA16 (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define LOOM_DEF_Q5(n)                                                           \
+    inline LOOM_CAT(float, n) LOOM_CAT(loom_q5_u, n)(const __global uchar *blk, int qs, int qh, int off) \
+    {                                                                            \
+        LOOM_CAT(uchar, n) b = LOOM_CAT(loom_ld_uchar, n)(blk + qs + (off & 15)); \
+        LOOM_CAT(uint, n) lo = LOOM_CAT(convert_uint, n)(off < 16 ? (b & (uchar)15) : (b >> (uchar)4)); \
+        LOOM_CAT(uint, n) hi = ((LOOM_CAT(uint, n))(loom_q5_high(blk, qh) >> off) >> LOOM_CAT(LOOM_IOTA, n)) & 1u; \
+        return LOOM_CAT(convert_float, n)(lo | hi << 4);                         \
+    }
+LOOM_DEF_Q5(4)
+LOOM_DEF_Q5(8)
+LOOM_DEF_Q5(16)
+
 /* Scalar element i of a quantized row (slow path: tails, odd sizes). */
 inline float loom_q8_0_at(const __global uchar *row, int i)
 {
     const __global uchar *blk = row + (size_t)(i / LOOM_QK) * LOOM_Q8_0_BYTES;
     return loom_block_scale(blk) * (float)((const __global char *)blk)[2 + i % LOOM_QK];
+}
+inline float loom_q5_at(const __global uchar *row, int i, int bytes, int qs, int qh, int has_min)
+{
+    const __global uchar *blk = row + (size_t)(i / LOOM_QK) * bytes;
+    int j = i % LOOM_QK;
+    uchar b = blk[qs + (j & 15)];
+    uint q = (uint)(j < 16 ? (b & 15) : (b >> 4)) | ((loom_q5_high(blk, qh) >> j) & 1u) << 4;
+    float d = loom_block_scale(blk);
+    return has_min ? (float)q * d + loom_block_scale(blk + 2) : ((float)q - 16.0f) * d;
 }
 inline float loom_q4_1_at(const __global uchar *row, int i)
 {

@@ -7,7 +7,7 @@
  *     int T,
  *     float scale)                     1.0f for none (Gemma: sqrt(D))
  *
- * Macros: D, VOCAB (required); TABLE_F32 | TABLE_F16 | TABLE_Q8_0 | TABLE_Q4_0 | TABLE_Q4_1
+ * Macros: D, VOCAB (required); TABLE_F32 | TABLE_F16 | TABLE_Q8_0 | TABLE_Q4_0 | TABLE_Q4_1 | TABLE_Q5_0 | TABLE_Q5_1
  *   (required, exactly one; quantized rows are raw ggml blocks, D % 32 == 0).
  * Launch: global = (D, T), local = any (NULL).
  * An id outside [0, VOCAB) yields a row of zeros: the kernel never reads out of
@@ -22,8 +22,9 @@
 #ifndef VOCAB
 #error "gather.cl: define VOCAB (table rows)"
 #endif
-#if defined(TABLE_F32) + defined(TABLE_F16) + defined(TABLE_Q8_0) + defined(TABLE_Q4_0) + defined(TABLE_Q4_1) != 1
-#error "gather.cl: define exactly one of TABLE_F32, TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1"
+#if defined(TABLE_F32) + defined(TABLE_F16) + defined(TABLE_Q8_0) + defined(TABLE_Q4_0) + defined(TABLE_Q4_1) \
+    + defined(TABLE_Q5_0) + defined(TABLE_Q5_1) != 1
+#error "gather.cl: define exactly one of TABLE_F32, TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1, TABLE_Q5_0, TABLE_Q5_1"
 #endif
 
 #if defined(TABLE_F32)
@@ -38,6 +39,14 @@
 #define TABLE_T uchar
 #define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q8_0_BYTES)
 #define AT(row, i) loom_q8_0_at(row, i)
+#elif defined(TABLE_Q5_0)
+#define TABLE_T uchar
+#define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q5_0_BYTES)
+#define AT(row, i) loom_q5_at(row, i, LOOM_Q5_0_BYTES, 6, 2, 0)
+#elif defined(TABLE_Q5_1)
+#define TABLE_T uchar
+#define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q5_1_BYTES)
+#define AT(row, i) loom_q5_at(row, i, LOOM_Q5_1_BYTES, 8, 4, 1)
 #elif defined(TABLE_Q4_1)
 #define TABLE_T uchar
 #define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q4_1_BYTES)
@@ -48,7 +57,7 @@
 #define AT(row, i) loom_q4_0_at(row, i)
 #endif
 
-#if (defined(TABLE_Q8_0) || defined(TABLE_Q4_0) || defined(TABLE_Q4_1)) && D % LOOM_QK != 0
+#if !defined(TABLE_F32) && !defined(TABLE_F16) && D % LOOM_QK != 0
 #error "gather.cl: quantized tables need D % 32 == 0"
 #endif
 

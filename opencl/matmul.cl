@@ -9,8 +9,8 @@
  *
  * Macros:
  *   K, N                 required: inputs per row, output rows
- *   WEIGHT_F32 | WEIGHT_F16 | WEIGHT_Q8_0 | WEIGHT_Q4_0 | WEIGHT_Q4_1   required, exactly one
- *                        (Q4_1: the float path only).
+ *   WEIGHT_F32 | WEIGHT_F16 | WEIGHT_Q8_0 | WEIGHT_Q4_0 | WEIGHT_Q4_1 | WEIGHT_Q5_0 | WEIGHT_Q5_1
+ *                        required, exactly one (Q4_1, Q5_0, Q5_1: the float path only).
  *                        W is float* / half* (storage) / uchar* (raw ggml blocks,
  *                        K/32 blocks per row, rows back to back). Quantized: K % 32 == 0.
  *                        Block scales must be finite (a reader should reject others).
@@ -84,8 +84,9 @@
 #error "matmul.cl: VW must be 4, 8 or 16"
 #endif
 
-#if defined(WEIGHT_F32) + defined(WEIGHT_F16) + defined(WEIGHT_Q8_0) + defined(WEIGHT_Q4_0) + defined(WEIGHT_Q4_1) != 1
-#error "matmul.cl: define exactly one of WEIGHT_F32, WEIGHT_F16, WEIGHT_Q8_0, WEIGHT_Q4_0, WEIGHT_Q4_1"
+#if defined(WEIGHT_F32) + defined(WEIGHT_F16) + defined(WEIGHT_Q8_0) + defined(WEIGHT_Q4_0) + defined(WEIGHT_Q4_1) \
+    + defined(WEIGHT_Q5_0) + defined(WEIGHT_Q5_1) != 1
+#error "matmul.cl: define exactly one of WEIGHT_F32, WEIGHT_F16, WEIGHT_Q8_0, WEIGHT_Q4_0, WEIGHT_Q4_1, WEIGHT_Q5_0, WEIGHT_Q5_1"
 #endif
 
 /* KSTEP: elements per outer step (one quantized block); WLOAD(r, kb, c): VW
@@ -107,6 +108,18 @@
 #define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q8_0_BYTES)
 #define WSCALE_DECL float d[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) d[r] = loom_block_scale_finite(WBLK(r, kb));
 #define WLOAD(r, kb, c) (d[r] * LOOM_CAT(loom_q8_0_q, VW)(WBLK(r, kb), (c)))
+#elif defined(WEIGHT_Q5_0)
+#define WTYPE uchar
+#define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q5_0_BYTES)
+#define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q5_0_BYTES)
+#define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = loom_block_scale_finite(WBLK(r, kb)); m[r] = -16.0f * d[r]; }
+#define WLOAD(r, kb, c) (LOOM_CAT(loom_q5_u, VW)(WBLK(r, kb), 6, 2, (c)) * d[r] + m[r])
+#elif defined(WEIGHT_Q5_1)
+#define WTYPE uchar
+#define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q5_1_BYTES)
+#define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q5_1_BYTES)
+#define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = loom_block_scale_finite(WBLK(r, kb)); m[r] = loom_block_scale_finite(WBLK(r, kb) + 2); }
+#define WLOAD(r, kb, c) (LOOM_CAT(loom_q5_u, VW)(WBLK(r, kb), 8, 4, (c)) * d[r] + m[r])
 #elif defined(WEIGHT_Q4_1)
 #define WTYPE uchar
 #define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q4_1_BYTES)
@@ -123,7 +136,7 @@
 #define WLOAD(r, kb, c) (LOOM_CAT(loom_q4_0_u, VW)(WBLK(r, kb), (c)) * d[r] + m[r])
 #endif
 
-#if (defined(WEIGHT_Q8_0) || defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1)) && K % LOOM_QK != 0
+#if !defined(WEIGHT_F32) && !defined(WEIGHT_F16) && K % LOOM_QK != 0
 #error "matmul.cl: quantized weights need K % 32 == 0"
 #endif
 

@@ -177,10 +177,11 @@ def make_weights(kind, w):
         return h, h.astype(np.float64)
     if kind == "Q8_0":
         return quantize_q8_0(w)
-    if kind == "Q4_1":    # gguf's quantizer and dequantizer: an implementation independent of ours
+    if kind in ("Q4_1", "Q5_0", "Q5_1"):    # gguf's quantizer and dequantizer: independent of ours
         import gguf
-        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
-        return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).astype(np.float64)
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        raw = gguf.quants.quantize(w, qtype)
+        return raw, gguf.quants.dequantize(raw, qtype).astype(np.float64)
     return quantize_q4_0(w)
 
 
@@ -233,8 +234,8 @@ def run_matmul(env, kind, n, k, x, wraw, bias=None, y0=None, geometry=(1, 1, 8, 
     return env.read(yb, (t, n))
 
 
-KINDS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
-REL = {"F32": 1e-5, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_1": 1e-4}
+KINDS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+REL = {"F32": 1e-5, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_1": 1e-4, "Q5_0": 1e-4, "Q5_1": 1e-4}
 
 MATMUL_CASES = [
     # (N, K, geometry (ROWS_PER_ITEM, TOKENS_PER_ITEM, WG, VW), bias, accumulate)
@@ -369,8 +370,9 @@ def test_matmul_subnormal_scales(env, kind):
     elif kind in ("Q8_0", "Q4_0"):
         block = 34 if kind == "Q8_0" else 18
         halves = np.abs(wraw.reshape(-1, block)[:, :2].copy().view(np.float16))
-    elif kind == "Q4_1":
-        halves = np.abs(wraw.reshape(-1, 20)[:, :2].copy().view(np.float16))
+    elif kind in ("Q4_1", "Q5_0", "Q5_1"):
+        block = {"Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[kind]
+        halves = np.abs(wraw.reshape(-1, block)[:, :2].copy().view(np.float16))
     if kind != "F32":  # f16 subnormals: nonzero and below the smallest normal
         assert ((halves > 0) & (halves < np.float16(6.104e-5))).mean() > 0.3
     x = rng(32).standard_normal((3, k)).astype(np.float32)

@@ -117,10 +117,11 @@ def make_checkpoint(path, arch, dtype, seed, fmt="gguf"):
         elif dtype == "F16":
             w.add_tensor(name, values.astype(np.float16))
             values = values.astype(np.float16).astype(np.float32)
-        elif dtype == "Q4_1":      # gguf's own quantizer and dequantizer: the independent reference
-            raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
-            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).astype(np.float32)
-            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        elif dtype in ("Q4_1", "Q5_0", "Q5_1"):   # gguf's own quantizer and dequantizer: the reference
+            qtype = getattr(gguf.GGMLQuantizationType, dtype)
+            raw = gguf.quants.quantize(values, qtype)
+            values = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+            w.add_tensor(name, raw, raw_dtype=qtype)
         else:
             raw, values = (q8_0 if dtype == "Q8_0" else q4_0)(values)
             w.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, dtype))
@@ -298,7 +299,8 @@ def run_advance(prepared, tokens, page_ids):
 
 CASES = [(arch, dtype, "gguf") for arch in ("llama", "qwen2", "qwen3") for dtype in ("F32", "F16", "Q8_0", "Q4_0")] \
     + [(arch, dtype, "safetensors") for arch in ("llama", "qwen2", "qwen3") for dtype in ("F32", "F16", "BF16")] \
-    + [("qwen2", "Q8_0+int8", "gguf"), ("llama", "Q4_0+int8", "gguf"), ("llama", "Q4_1", "gguf")]
+    + [("qwen2", "Q8_0+int8", "gguf"), ("llama", "Q4_0+int8", "gguf"), ("llama", "Q4_1", "gguf"), ("qwen2", "Q5_0", "gguf"),
+         ("llama", "Q5_1", "gguf")]
 
 
 @pytest.mark.parametrize("arch,dtype,fmt", CASES, ids=["-".join(c) for c in CASES])

@@ -51,6 +51,17 @@ def ref_dequantize(raw: bytes, dtype: str, count: int) -> np.ndarray:
             lo = [np.float32(byte & 15) * d + m for byte in block[4:]]
             hi = [np.float32(byte >> 4) * d + m for byte in block[4:]]
             out += lo + hi
+    elif dtype in ("Q5_0", "Q5_1"):
+        size, at = (22, 2) if dtype == "Q5_0" else (24, 4)
+        for b in range(count // 32):
+            block = raw[b * size:(b + 1) * size]
+            d = np.float32(np.frombuffer(block[:2], "<f2")[0])
+            m = np.float32(np.frombuffer(block[2:4], "<f2")[0]) if dtype == "Q5_1" else None
+            high = struct.unpack("<I", block[at:at + 4])[0]
+            qs = block[at + 4:]
+            for e in range(32):
+                q = (qs[e] & 15 if e < 16 else qs[e - 16] >> 4) | ((high >> e) & 1) << 4
+                out.append(np.float32(q - 16) * d if m is None else np.float32(q) * d + m)
     elif dtype == "BF16":
         out = [struct.unpack("<f", b"\0\0" + raw[i:i + 2])[0] for i in range(0, 2 * count, 2)]
     else:
@@ -115,7 +126,7 @@ def write_gguf(path, tensors, *, alignment=None, endianess=gguf.GGUFEndian.LITTL
 
 GGUF_TENSORS = [
     ("w.f32", "F32", (3, 64)), ("w.f16", "F16", (4, 32)), ("w.bf16", "BF16", (2, 32)),
-    ("w.q8", "Q8_0", (5, 64)), ("w.q4", "Q4_0", (3, 96)), ("w.q41", "Q4_1", (4, 64)), ("vec", "F32", (7,)),
+    ("w.q8", "Q8_0", (5, 64)), ("w.q4", "Q4_0", (3, 96)), ("w.q41", "Q4_1", (4, 64)), ("w.q50", "Q5_0", (3, 64)), ("w.q51", "Q5_1", (2, 96)), ("vec", "F32", (7,)),
     ("cube", "F16", (2, 3, 4)), ("four", "F32", (2, 1, 3, 2)), ("q8.vec", "Q8_0", (64,)),
     ("last", "F32", (8,)),    # 32 bytes: ends the file without padding
 ]
@@ -453,7 +464,7 @@ def test_gguf_lying_counts_reject_without_allocating(tmp_path, data, match):
     ([], [f32_info("x", 8, 0), f32_info("x", 8, 32)], bytes(64), "duplicate tensor name 'x'"),
     ([], [tinfo("blk.0.attn_q.weight", [256, 2], 12, 0)], bytes(288),
      r"tensor 'blk.0.attn_q.weight' has type Q4_K \(12\), which Loom does not support; "
-     r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1$"),
+     r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1$"),
     ([], [tinfo("t", [4], 28, 0)], bytes(32), r"tensor 't' has type F64 \(28\), which Loom does not support"),
     ([], [tinfo("t", [4], 99, 0)], bytes(32), r"tensor 't' has type unknown \(99\)"),
     ([], [tinfo("q", [48, 2], 8, 0)], bytes(128),
