@@ -186,13 +186,7 @@ class PagedState:
         enqueued, box = threading.Event(), {}
 
         def enqueue():
-            event = None
-            for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
-                for i, page in enumerate(page_ids):
-                    event = self.device.read_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
-                                                          pages * page_bytes)
-            self.device.flush()
-            return event
+            return self._transfer(self.device.read_blocks_async, arrays, page_ids)
 
         def done(event, error):
             box.update(event=event, error=error)
@@ -211,16 +205,21 @@ class PagedState:
     def restore(self, arrays, page_ids):
         """Enqueue writes of a snapshot into (fresh) pages; the arrays stay alive until done."""
         def enqueue():
-            event = None
-            for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
-                for i, page in enumerate(page_ids):
-                    event = self.device.write_blocks_async(buf, host[i], page * page_bytes, page_bytes, groups,
-                                                           pages * page_bytes)
-            self.device.flush()
+            event = self._transfer(self.device.write_blocks_async, arrays, page_ids)
             with self.lock:
                 self.uploads = [(e, a) for e, a in self.uploads if not self.device.finished(e)] + [(event, arrays)]
 
         self.device.submit(enqueue, _reported("checkpoint restore"))
+
+    def _transfer(self, copy, arrays, page_ids):
+        """On the submission thread: `copy` (read or write of one page's blocks) for every
+        page of every paged buffer, then flush; -> the last event."""
+        event = None
+        for (buf, groups, page_bytes, pages), host in zip(self.buffers, arrays):
+            for i, page in enumerate(page_ids):
+                event = copy(buf, host[i], page * page_bytes, page_bytes, groups, pages * page_bytes)
+        self.device.flush()
+        return event
 
 
 def _reported(what):

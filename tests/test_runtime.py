@@ -243,8 +243,8 @@ def test_a_plan_that_does_not_fit_answers_503_and_the_next_request_works(tmp_pat
         assert server.stop() == 0
 
 
-def test_deactivate_activate_and_pinning(thread_server, tmp_path):
-    expected = write_gguf(tmp_path / "m.gguf", "Q8_0", seed=5)
+def affine_server(thread_server, tmp_path):
+    """An in-process server with m.gguf registered as `m` (affine), prepared."""
     ts = thread_server(device="cpu")
     reg = ts.call(ts.server.registry.register, {
         "model": "m", "kind": "embedding", "sources": [os.path.join(PACKAGE, "affine.loom")],
@@ -252,6 +252,12 @@ def test_deactivate_activate_and_pinning(thread_server, tmp_path):
     deadline = time.monotonic() + 30
     while ts.call(lambda: reg.phase) == "preparing" and time.monotonic() < deadline:
         time.sleep(0.05)
+    return ts, reg
+
+
+def test_deactivate_activate_and_pinning(thread_server, tmp_path):
+    expected = write_gguf(tmp_path / "m.gguf", "Q8_0", seed=5)
+    ts, reg = affine_server(thread_server, tmp_path)
     assert reg.phase == "ready"
     pool = ts.server.registry.device.pool
     params = ts.call(lambda: pool.usage()["by_owner"]["m"]["params"])
@@ -298,13 +304,7 @@ def test_a_driver_that_blocks_in_an_enqueue_never_blocks_the_loop(thread_server,
     and the step still completes, exactly."""
     from loom import device as device_module
     expected = write_gguf(tmp_path / "m.gguf", "F32", seed=9)
-    ts = thread_server(device="cpu")
-    reg = ts.call(ts.server.registry.register, {
-        "model": "m", "kind": "embedding", "sources": [os.path.join(PACKAGE, "affine.loom")],
-        "checkpoint": str(tmp_path / "m.gguf")}, str(tmp_path))
-    deadline = time.monotonic() + 30
-    while ts.call(lambda: reg.phase) == "preparing" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    ts, reg = affine_server(thread_server, tmp_path)
     real = device_module.Device.upload_async
 
     def blocking(self, buf, array, offset=0):
