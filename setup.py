@@ -39,6 +39,7 @@ setup(
             "gguf>=0.10",
             "safetensors>=0.4",
             "tokenizers>=0.15",
+            "jinja2>=3.1",          # the reference loom.template is checked against
             "import-linter>=2.0",
         ],
     },

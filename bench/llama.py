@@ -16,7 +16,10 @@ default temperature 0.7 / top_p 0.8 / top_k 20) for the same R rows. With
 for each launch (queue.finish) and sums the time per kernel (matmuls by
 their N x K): the serial sum, not the pipelined step.
 
-    python bench/llama.py [--dtypes F16,Q8_0] [--decode 32] [--rows 1,2,4,8] [--breakdown]
+With --gguf PATH (repeatable), any llama-architecture GGUF instead, such as
+the default catalog's SmolLM2-135M-Instruct Q4_1 (`--gguf smollm2` names it).
+
+    python bench/llama.py [--dtypes F16,Q8_0] [--gguf PATH] [--decode 32] [--rows 1,2,4,8] [--breakdown]
 """
 
 import argparse
@@ -96,7 +99,8 @@ class Row:
         self.pages = np.arange(max_pages, dtype=np.int32)
         self.length = 0
         self.buffers = {}
-        self.logits = self.device.pool.alloc(4 * SHAPE["V"], "bench", "workspace")
+        self.vocab = prepared.spec("V")
+        self.logits = self.device.pool.alloc(4 * self.vocab, "bench", "workspace")
 
     def step(self, ids):
         n = len(ids)
@@ -112,7 +116,7 @@ class Row:
         for k in host:
             bufs[k].release()
         self.length += n
-        return self.device.download(self.logits, np.float32, SHAPE["V"])
+        return self.device.download(self.logits, np.float32, self.vocab)
 
 
 class Cohort:
@@ -123,7 +127,7 @@ class Cohort:
         self.prepared, self.device, self.R = prepared, prepared.device, R
         max_pages = prepared.spec("MAX_PAGES")
         self.tables = np.arange(R * max_pages, dtype=np.int32).reshape(R, max_pages)
-        self.logits = self.device.pool.alloc(4 * SHAPE["V"] * R, "bench", "workspace")
+        self.logits = self.device.pool.alloc(4 * prepared.spec("V") * R, "bench", "workspace")
         for r in range(R):        # prefill each row alone, into its own pages
             self._run({"tokens": np.array(prompt, np.int32), "pos": np.arange(len(prompt), dtype=np.int32),
                        "row_of": np.zeros(len(prompt), np.int32), "pages": self.tables[r],
@@ -186,7 +190,7 @@ class Sampler:
         import pyopencl as cl
         self.device = device = prepared.device
         self.R, self.logits = R, logits
-        V = SHAPE["V"]
+        V = prepared.spec("V")
         exe = compiler.compile(compiler.library_source("sample"), {"V": V}, name="sample")
         params = np.tile(np.array([0.7, 0.8, 20, 0], np.float32), (R, 1))
         seeds = np.array([[r, 0] for r in range(R)], np.uint32)
@@ -210,7 +214,7 @@ class Sampler:
 
 def batched(prepared, compiler, rows, steps, breakdown):
     """Batched decode: R rows x 1 token per `advance` step."""
-    prompt = list(np.random.default_rng(2).integers(0, SHAPE["V"], BATCH_CONTEXT))
+    prompt = list(np.random.default_rng(2).integers(0, prepared.spec("V"), BATCH_CONTEXT))
     print(f"\n  batched decode, {BATCH_CONTEXT} positions per row: one advance step of R rows x 1 token")
     print(f"  {'R':>3} {'step ms':>9} {'tok/s':>8} {'x R=1':>6} {'sample ms':>10} {'with sample tok/s':>18}")
     base, diag = None, {}
@@ -239,7 +243,7 @@ def batched(prepared, compiler, rows, steps, breakdown):
             cohort.logits.release()
     if diag:
         lo, hi = rows[0], rows[-1]
-        print(f"\n  per kernel, ms per step (each launch waited for; serial sum):")
+        print("\n  per kernel, ms per step (each launch waited for; serial sum):")
         print(f"  {'kernel':24} {'R=' + str(lo):>9} {'R=' + str(hi):>9} {'ratio':>6}")
         keys = sorted(diag[hi], key=lambda k: -diag[hi][k])
         for k in keys + ["total"]:
@@ -262,7 +266,9 @@ def _timed(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="F16,Q8_0")
+    ap.add_argument("--dtypes", default="F16,Q8_0", help="generated 0.5B-shape files ('' for none)")
+    ap.add_argument("--gguf", action="append", default=[],
+                    help="a GGUF file to measure as well (repeatable; 'smollm2' = the default catalog's)")
     ap.add_argument("--decode", type=int, default=32, help="decode steps to time")
     ap.add_argument("--rows", default="1,2,4,8", help="batched decode: rows per step")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times for the smallest and largest R")
@@ -277,14 +283,23 @@ def main():
     print(f"device: {device.describe()}")
     print(f"numpy DRAM read bandwidth, same run: {bw:.1f} GB/s\n")
     print(f"{'weights':8} {'GB':>6} {'prefill 128 tok/s':>18} {'decode tok/s':>13} {'decode bound':>13} {'of bound':>9}")
-    for dtype in args.dtypes.split(","):
-        path = checkpoint(dtype)
-        prepared = runtime.prepare(f"bench-{dtype}", [SOURCE], path,
+    files = [(dtype, checkpoint(dtype)) for dtype in args.dtypes.split(",") if dtype]
+    for path in args.gguf:
+        if path == "smollm2":
+            from loom import demo
+            path = demo.smollm2_file()
+        files.append((os.path.basename(path).removesuffix(".gguf"), path))
+        print(f"{files[-1][0][:8]}: {path}")
+    for label, path in files:
+        prepared = runtime.prepare(f"bench-{label}", [SOURCE], path,
                                    {"pages": max(rows, default=1) * CTX // PAGE, "page_size": PAGE,
                                     "context_length": CTX, "int8_activations": args.int8}, device, compiler)
         try:
-            weight_bytes = prepared.param_bytes() - prepared.params[("embd", None)].capacity  # rows gathered, not read
-            prompt = list(np.random.default_rng(1).integers(0, SHAPE["V"], 128))
+            # Bytes read per decoded token: every param, less the embedding table (rows gathered)
+            # unless the head is tied to it and reads it whole.
+            tied = prepared.params[("output", None)] is prepared.params[("embd", None)]
+            weight_bytes = prepared.param_bytes() - (0 if tied else prepared.params[("embd", None)].capacity)
+            prompt = list(np.random.default_rng(1).integers(0, prepared.spec("V"), 128))
             Row(prepared).step(prompt)                     # warm: compile and first-launch every shape
             warm = Row(prepared)
             warm.step(prompt[:4])
@@ -297,7 +312,7 @@ def main():
                 token = int(row.step([token]).argmax())
             decode = (time.perf_counter() - start) / args.decode
             bound = bw * 1e9 / weight_bytes
-            print(f"{dtype:8} {weight_bytes / 1e9:6.2f} {128 / prefill:18.1f} {1 / decode:13.1f} {bound:13.1f} "
+            print(f"{label[:8]:8} {weight_bytes / 1e9:6.2f} {128 / prefill:18.1f} {1 / decode:13.1f} {bound:13.1f} "
                   f"{(1 / decode) / bound:8.0%}")
             if rows:
                 batched(prepared, compiler, rows, max(4, args.decode // 2), args.breakdown)

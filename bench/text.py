@@ -11,7 +11,10 @@ in the cohort). The package's own decode
 speed (bench/llama.py's direct loop) is measured in the same run: the
 difference is the serving overhead.
 
-    python bench/text.py [--dtype Q8_0] [--tokens 64]
+With --gguf PATH, a GGUF that carries its own tokenizer and chat template
+instead (`--gguf smollm2`: the default catalog's SmolLM2-135M-Instruct).
+
+    python bench/text.py [--dtype Q8_0 | --gguf PATH] [--tokens 64]
 """
 
 import os
@@ -126,12 +129,19 @@ def serve(catalog):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="Q8_0")
+    ap.add_argument("--gguf", default=None, help="a GGUF with its own tokenizer ('smollm2': the default catalog's)")
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    gguf = package_bench.checkpoint(args.dtype)
-    tokenizer_beside(gguf, package_bench.SHAPE["V"])
+    if args.gguf:
+        from loom import demo
+        gguf = demo.smollm2_file() if args.gguf == "smollm2" else os.path.abspath(args.gguf)
+        label = os.path.basename(gguf).removesuffix(".gguf")
+    else:
+        gguf, label = package_bench.checkpoint(args.dtype), f"{args.dtype} 0.5B shape"
+        tokenizer_beside(gguf, package_bench.SHAPE["V"])
     folder = os.path.dirname(gguf)
-    catalog = os.path.join(folder, "text-catalog.json")
+    os.makedirs(package_bench.CACHE, exist_ok=True)
+    catalog = os.path.join(package_bench.CACHE, "text-catalog.json")
     with open(catalog, "w") as f:
         json.dump([{"model": "bench", "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
                     "checkpoint": gguf, "base_directory": folder, "rows": 8, "context_length": 1024,
@@ -142,7 +152,7 @@ def main():
         stream(port, prompt, 4)                                        # warm: compile every shape
         stream(port, "x", 4)
         ttft, rest, tokens = stream(port, prompt[:-7], args.tokens)
-        print(f"model: {args.dtype} 0.5B shape; prompt ~128 tokens; {args.tokens} tokens per request\n")
+        print(f"model: {label}; prompt ~128 tokens; {args.tokens} tokens per request\n")
         print(f"time to first token       {ttft * 1000:8.1f} ms")
         print(f"decode, one client        {(tokens - 1) / rest:8.1f} tok/s")
         for clients in (1, 4, 8):

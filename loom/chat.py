@@ -9,6 +9,13 @@ sampling defaults and ranges. A package may carry several chat formats under
 the format whose `detect` marker appears in the checkpoint's own chat template
 (GGUF `tokenizer.chat_template`) wins, then the first.
 
+A format with `"template": "checkpoint"` renders the messages with the
+checkpoint's own Jinja chat template when it has one (loom.template, exactly
+as transformers would), keeping the package's reasoning and tool-call grammar:
+a template that does not frame tools itself gets the package's tool preamble
+in its system message, tool calls in the package's grammar and tool results
+as `tools.response` says.
+
 Rendering is canonical: the same messages always give the same text, which
 is what retained-conversation reuse will key on.
 """
@@ -16,6 +23,7 @@ is what retained-conversation reuse will key on.
 import json
 
 from .errors import Problem
+from .template import Template, TemplateError
 
 
 class ChatError(Problem):
@@ -26,7 +34,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatPolicy:
-    def __init__(self, policy, chat_template=None, choice=None):
+    def __init__(self, policy, chat_template=None, choice=None, special=("", "")):
         chats = policy.get("chats") or {}
         if not chats:
             raise ValueError("the package policy declares no chat formats (policy.chats)")
@@ -42,6 +50,15 @@ class ChatPolicy:
         self.reasoning = self.format.get("reasoning")
         self.tools = self.format.get("tools")
         self.stop = list(self.format.get("stop", []))
+        # The checkpoint's template, when the format defers to it; one that cannot be parsed
+        # leaves the format's own roles in charge (template_problem says why).
+        self.template, self.template_problem = None, None
+        if self.format.get("template") == "checkpoint" and chat_template:
+            try:
+                self.template = Template(chat_template)
+            except TemplateError as e:
+                self.template_problem = str(e)
+        self.bos_token, self.eos_token = special
 
     # -- input -------------------------------------------------------------------
     def options(self, values):
@@ -75,6 +92,8 @@ class ChatPolicy:
         (validated by options()) render where the format declares them."""
         fmt = self.format
         options = self.options(model_options)
+        if self.template is not None:
+            return self._render_template(messages, tools, enable_thinking, generation, options)
         parts = [fmt.get("bos", "")]
         system = [m for m in messages if m["role"] == "system"]
         rest = [m for m in messages if m["role"] != "system"]
@@ -96,6 +115,67 @@ class ChatPolicy:
                 parts.append(self.reasoning["disabled"])
         return "".join(parts)
 
+    def _render_template(self, messages, tools, enable_thinking, generation, options):
+        """The checkpoint's template over the messages, with what the package adds around it."""
+        source = self.template.source
+        native_tools = "tools" in source      # the template frames the catalog and calls itself
+        response = (self.tools or {}).get("response")
+        shown = []
+        for m in messages:
+            item = {"role": m["role"], "content": _text(m.get("content") or "")}
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                if native_tools:
+                    item["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                                           "function": {"name": c["function"]["name"],
+                                                        "arguments": _arguments(c["function"]["arguments"])}}
+                                          for c in m["tool_calls"]]
+                else:
+                    item["content"] = self._content(m)
+            elif m["role"] == "tool":
+                if m.get("tool_call_id") is not None:
+                    item["tool_call_id"] = m["tool_call_id"]
+                if not native_tools and response:
+                    item = {"role": response["role"], "content": response["content"].replace("{content}",
+                                                                                              item["content"])}
+            shown.append(item)
+        variables = {"messages": shown, "add_generation_prompt": generation,
+                     "bos_token": self.bos_token, "eos_token": self.eos_token}
+        preamble = ""
+        if tools:
+            if native_tools:
+                variables["tools"] = tools
+            elif not self.tools:
+                raise ChatError("this model's chat format has no tool calling", "unsupported_value", "tools")
+            else:
+                catalog = "\n".join(json.dumps(t, ensure_ascii=False, separators=(", ", ": ")) for t in tools)
+                preamble = self.tools["preamble"].replace("{tools}", catalog)
+        # What the package adds to the system turn, as the roles path adds it: option text, then the catalog.
+        options_text = self._option_text(options, "system")
+        if options_text or preamble:
+            has_system = bool(shown) and shown[0]["role"] == "system"
+            system = (shown[0]["content"] if has_system else "") + options_text
+            system = f"{system}\n\n{preamble}" if system and preamble else system or preamble
+            if has_system:
+                shown[0] = {"role": "system", "content": system}
+            else:
+                shown.insert(0, {"role": "system", "content": system})
+        thinking = self._thinking(enable_thinking)
+        template_thinks = "enable_thinking" in source
+        if template_thinks and thinking is not None:
+            variables["enable_thinking"] = thinking
+        for name, value in options.items():
+            variables.setdefault(name, value)
+        try:
+            text = self.template.render(**variables)
+        except TemplateError as e:
+            raise ChatError(f"the model's chat template cannot frame these messages: {e}", "invalid_value",
+                            "messages") from None
+        if generation:
+            text += self._option_text(options, "generation")
+            if thinking is False and not template_thinks and self.reasoning and self.reasoning.get("disabled"):
+                text += self.reasoning["disabled"]
+        return text
+
     def _thinking(self, enable_thinking):
         if enable_thinking is None:
             return self.reasoning.get("default", True) if self.reasoning else None
@@ -110,12 +190,7 @@ class ChatPolicy:
             text = _text(message.get("content") or "")
             for call in message.get("tool_calls") or []:
                 fn = call["function"]
-                try:
-                    arguments = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
-                except json.JSONDecodeError:
-                    raise ChatError("tool call arguments must be a JSON object", "invalid_value",
-                                    "messages.tool_calls.function.arguments") from None
-                body = json.dumps({"name": fn["name"], "arguments": arguments}, ensure_ascii=False)
+                body = json.dumps({"name": fn["name"], "arguments": _arguments(fn["arguments"])}, ensure_ascii=False)
                 text += ("\n" if text else "") + self.tools["open"] + body + self.tools["close"] if self.tools \
                     else body
             return text
@@ -124,6 +199,15 @@ class ChatPolicy:
     # -- output ------------------------------------------------------------------
     def parser(self, enable_thinking=None, tools_allowed=True):
         return OutputParser(self, self._thinking(enable_thinking), tools_allowed)
+
+
+def _arguments(arguments):
+    """A tool call's arguments as templates expect them: an object, not its JSON text."""
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        raise ChatError("tool call arguments must be a JSON object", "invalid_value",
+                        "messages.tool_calls.function.arguments") from None
 
 
 def _text(content):
@@ -246,10 +330,12 @@ class StopText:
         if self.hit:
             return ""
         buf = self.held + text
-        found = [i for i in (buf.find(stop) for stop in self.stops) if i >= 0]
+        # The stop that completes first, as token-by-token generation would meet it (at one end,
+        # the longer one): the same answer however the text is chunked.
+        found = [(i + len(stop), i) for stop, i in ((stop, buf.find(stop)) for stop in self.stops) if i >= 0]
         if found:
             self.hit, self.held = True, ""
-            return buf[:min(found)]
+            return buf[:min(found)[1]]
         keep = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(buf)), keep, -1):

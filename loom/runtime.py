@@ -536,8 +536,12 @@ def _tokenizer(checkpoint_path, checkpoint, assets):
                                          else os.path.dirname(checkpoint_path))
     try:
         found = tokenizer.from_folder(assets)
-        if found is None and checkpoint.format == "gguf" and "tokenizer.ggml.model" in checkpoint.metadata:
+        gguf = checkpoint.format == "gguf"
+        if found is None and gguf and "tokenizer.ggml.model" in checkpoint.metadata:
             found = tokenizer.from_gguf_metadata(checkpoint.metadata)
+        elif found is not None and found.chat_template is None and gguf:
+            template = checkpoint.metadata.get("tokenizer.chat_template")
+            found.chat_template = template if isinstance(template, str) else None
         return found
     except (tokenizer.TokenizerError, OSError, ValueError) as e:
         raise PrepareError(str(e), "tokenizer") from None

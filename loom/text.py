@@ -20,6 +20,7 @@ status.
 
 import base64
 import collections
+import logging
 import re
 import secrets
 import time
@@ -32,6 +33,8 @@ from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
 from .scheduler import Refused, Sequence, TextEngine, trial_pages
+
+log = logging.getLogger("loom.text")
 
 MAX_TOKENS = 262144
 MAX_TEXT_BYTES = 1 << 20
@@ -821,11 +824,18 @@ class ChatEngine(TextEngine):
     def __init__(self, reg, loop, **geometry):
         super().__init__(reg.prepared, loop, **geometry)
         prepared = reg.prepared
-        template = prepared.binding.metadata.get("tokenizer.chat_template")
+        tok = prepared.tokenizer
+        template = tok.chat_template if tok is not None else None
+        special = tuple(tok.id_to_token(i) if tok is not None and i is not None else ""
+                        for i in ((tok.bos_id, tok.eos_id) if tok is not None else (None, None)))
         try:
-            self.chat = ChatPolicy(prepared.policy, template, (reg.doc.get("options") or {}).get("chat"))
+            self.chat = ChatPolicy(prepared.policy, template, (reg.doc.get("options") or {}).get("chat"), special)
         except ValueError as e:
             self.chat = e       # a deployment without chat framing still tokenizes and pins
+        if getattr(self.chat, "template_problem", None):
+            log.warning("%s: the checkpoint's chat template cannot be used (%s); the package's %s roles frame "
+                        "its chats", reg.name, self.chat.template_problem, self.chat.name,
+                        extra={"event": "chat_template_unusable", "model": reg.name})
         self.counting = 0
         self.policy_waiting = collections.deque()
         self.policy_busy = False

@@ -1149,6 +1149,7 @@ class Tokenizer:
         self._norm_added = _AddedMatcher(norm_added) if norm_added else None
         self._prefix_ids, self._suffix_ids = list(post[0]), list(post[1])
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = bos_id, eos_id, pad_id, unk_id
+        self.chat_template = None   # the Jinja chat template that came with this vocabulary, if any
         self._setup_pretokenizer(list(pretokenizer))
         self._decoder = list(decoder)
         self._setup_stream()
@@ -1568,6 +1569,22 @@ def _config(read) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def _chat_template(config: dict, read):
+    """HF's chat template: chat_template.jinja beside the tokenizer, else tokenizer_config's
+    chat_template (a string, or a list of named templates whose "default" is the one)."""
+    data = read("chat_template.jinja")
+    if data is not None:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TokenizerError(f"cannot read chat_template.jinja: {exc}") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 def from_folder(read) -> Tokenizer | None:
     """The tokenizer metadata of one folder, through read(name) -> bytes | None (a server
     directory or an uploaded package's): tokenizer.json with its tokenizer_config.json,
@@ -1575,7 +1592,9 @@ def from_folder(read) -> Tokenizer | None:
     config = _config(read)
     data = read("tokenizer.json")
     if data is not None:
-        return from_tokenizer_json(data, config)
+        tok = from_tokenizer_json(data, config)
+        tok.chat_template = _chat_template(config, read)
+        return tok
     vocab = read("vocab.txt")
     if vocab is None:
         return None
@@ -1618,7 +1637,10 @@ def _text(v) -> str:
 def from_gguf_metadata(metadata: dict) -> Tokenizer:
     """Build from the tokenizer.ggml.* keys of GGUF metadata."""
     try:
-        return _from_gguf(metadata)
+        tok = _from_gguf(metadata)
+        template = metadata.get("tokenizer.chat_template")
+        tok.chat_template = _text(template) if template is not None else None
+        return tok
     except TokenizerError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, UnicodeDecodeError) as exc:

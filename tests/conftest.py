@@ -5,10 +5,17 @@
 - `thread_server(routes)`: the same Server class in a thread of this process,
   with extra routes, for transport behaviour that needs a handler we control
   (echoing bodies, producing streams) or a look at server internals.
+
+Servers get an empty catalog unless a test asks: `catalog="default"` is the
+real default catalog (SmolLM2, MiniLM: what `make run` serves), `catalog="tiny"`
+the same deployments with scout and encoder on a tiny generated checkpoint
+(`tiny_scout_dir()`: a two-layer Qwen2 shape, random weights), which keeps
+serving tests fast and their outputs unlike any real model's.
 """
 
 import http.client
 import io
+import json
 import os
 import re
 import signal
@@ -21,7 +28,7 @@ import weakref
 
 import pytest
 
-from loom import device as loom_device
+from loom import demo, device as loom_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,12 +150,35 @@ class LiveServer(Endpoint):
         return self.proc.wait(timeout)
 
 
-def _start_live(tmp_path, flags, default_catalog=False):
+TINY = os.path.join(os.path.expanduser("~"), ".cache", "loom", "tests", "scout-v2")
+
+
+def tiny_scout_dir():
+    """The tests' tiny random text checkpoint (models/llama/make_checkpoint.py), generated once."""
+    if os.path.isfile(os.path.join(TINY, "model.safetensors")):
+        return TINY
+    import importlib.util
+    import shutil
+    spec = importlib.util.spec_from_file_location("make_llama", os.path.join(ROOT, "models", "llama",
+                                                                               "make_checkpoint.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    tmp = TINY + f".tmp{os.getpid()}"
+    maker.make(tmp)
+    try:
+        os.rename(tmp, TINY)    # atomic: a concurrent first use finds a whole folder or none
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TINY
+
+
+def _start_live(tmp_path, flags, catalog=None):
     unix_path = str(tmp_path / "loom.sock")
-    if not default_catalog and "--models" not in flags:
+    if catalog != "default" and "--models" not in flags:
         # Most tests need no models: an empty catalog keeps start-up light.
-        (tmp_path / "empty-catalog.json").write_text("[]")
-        flags = ("--models", str(tmp_path / "empty-catalog.json"), *flags)
+        docs = demo.catalog(text=tiny_scout_dir()) if catalog == "tiny" else []
+        (tmp_path / "catalog.json").write_text(json.dumps(docs))
+        flags = ("--models", str(tmp_path / "catalog.json"), *flags)
     cmd = [sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{unix_path}", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -67,7 +67,7 @@ def reference(W, ids):
 def server(tmp_path_factory, request):
     """`python -m loom` with no --models: the embedded default catalog serves `vectors` on MiniLM,
     once on every usable CPU driver present."""
-    srv = _start_live(tmp_path_factory.mktemp("bert"), ("--device", request.param), default_catalog=True)
+    srv = _start_live(tmp_path_factory.mktemp("bert"), ("--device", request.param), catalog="tiny")
     yield srv
     srv.stop()
 

@@ -43,18 +43,97 @@ def test_chatml_framing_with_tools_and_a_tool_round_trip():
     assert policy.stop == ["<|im_end|>", "<|endoftext|>"]
 
 
+LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
+                   "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+                   "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+                   "{%- endif %}")
+
+
 def test_llama3_framing_and_detection():
-    detected = ChatPolicy(POLICY, chat_template="{{ '<|start_header_id|>' + role }}")
-    assert detected.name == "llama3"
-    text = detected.render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-    assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    detected = ChatPolicy(POLICY, chat_template=LLAMA3_TEMPLATE, special=("<|begin_of_text|>", "<|eot_id|>"))
+    assert detected.name == "llama3" and detected.template is not None
+    want = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert detected.render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]) == want
+    # The package's own roles frame it identically when the checkpoint brings no template.
+    assert ChatPolicy(POLICY, choice="llama3").render([{"role": "user", "content": "Hi"}]) == want
     with pytest.raises(ChatError) as info:
         detected.render([{"role": "user", "content": "x"}], tools=[WEATHER])
     assert Error.of(info.value).status == 400 and info.value.param == "tools"
     with pytest.raises(ChatError):
         detected.render([{"role": "user", "content": "x"}], enable_thinking=True)
     assert ChatPolicy(POLICY).name == "chatml"  # no template to detect from: the first format
+
+
+# SmolLM2's own template (its GGUF's tokenizer.chat_template): ChatML with a default system message.
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+           "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+           "{% endif %}")
+DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def test_the_checkpoint_template_frames_the_chat_with_its_default_system_message():
+    policy = ChatPolicy(POLICY, chat_template=SMOLLM2, choice="chatml")
+    user = {"role": "user", "content": "What is the capital of France?"}
+    assert policy.render([user], enable_thinking=True) == (
+        DEFAULT_SYSTEM + "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    system = {"role": "system", "content": "Be brief."}
+    assert policy.render([system, user], enable_thinking=True, generation=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n")
+    # Thinking off: the package's disabled-reasoning suffix follows the template's generation prompt.
+    assert policy.render([user], enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_template_without_tools_gets_the_packages_tool_grammar():
+    policy = ChatPolicy(POLICY, chat_template=SMOLLM2, choice="chatml")
+    roles = ChatPolicy(POLICY, choice="chatml")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C, clear"},
+    ]
+    # Same text as the package's own ChatML roles: preamble in the system turn, the call in the
+    # package's grammar, the result as a <tool_response> user turn.
+    assert policy.render(messages, tools=[WEATHER], enable_thinking=False) == \
+        roles.render(messages, tools=[WEATHER], enable_thinking=False)
+    # No system message: the catalog becomes the system turn, replacing the template's default.
+    text = policy.render(messages[1:2], tools=[WEATHER], enable_thinking=True)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and "SmolLM" not in text
+
+
+def test_a_template_that_frames_tools_gets_them_natively():
+    template = ("{%- if tools %}{{- '<|im_start|>system\nTOOLS:' }}{%- for t in tools %}{{- ' ' + t.function.name }}"
+                "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}{%- for m in messages %}"
+                "{%- if m.tool_calls %}{{- '<|im_start|>assistant\nCALL ' + m.tool_calls[0].function.name + ' ' + "
+                "m.tool_calls[0].function.arguments | tojson + '<|im_end|>\n' }}"
+                "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+    policy = ChatPolicy(POLICY, chat_template=template, choice="chatml")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "cold"}]
+    assert policy.render(messages, tools=[WEATHER], enable_thinking=True) == (
+        "<|im_start|>system\nTOOLS: get_weather<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
+        "<|im_start|>assistant\nCALL get_weather {\"city\": \"Oslo\"}<|im_end|>\n<|im_start|>tool\ncold<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_a_template_that_fails_or_cannot_parse():
+    raising = "{{ raise_exception('Only user turns, please') if messages[0].role != 'user' }}ok"
+    policy = ChatPolicy(POLICY, chat_template=raising, choice="chatml")
+    with pytest.raises(ChatError) as info:
+        policy.render([{"role": "system", "content": "x"}])
+    assert Error.of(info.value).status == 400 and info.value.param == "messages"
+    assert "Only user turns, please" in str(info.value)
+    broken = ChatPolicy(POLICY, chat_template="<|im_start|>{% for %}", choice="chatml")
+    assert broken.template is None and "offset 12" in broken.template_problem
+    assert broken.render([{"role": "user", "content": "Hi"}], enable_thinking=True) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"    # the package's roles
 
 
 def feed_all(parser, pieces):
@@ -136,6 +215,7 @@ def test_stop_text_finds_the_first_stop_wherever_the_chunks_split(text, stops, d
     chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
     stopper = StopText(stops)
     out = "".join(stopper.push(c) for c in chunks) + stopper.flush()
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert out == (text[:min(found)] if found else text)
+    # The stop that completes first in the text (the earliest end; at one end, the longest).
+    found = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    assert out == (text[:min(found)[1]] if found else text)
     assert stopper.hit == bool(found)

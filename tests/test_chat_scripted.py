@@ -16,8 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import ROOT, _start_live
-from loom import demo
+from conftest import ROOT, _start_live, tiny_scout_dir
 from loom.weights import write_safetensors
 
 CTX = 1024
@@ -53,13 +52,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scripted")
-    srv = _start_live(tmp, ("--device", "cpu"), default_catalog=True)   # scout's tokenizer is the one we use
+    srv = _start_live(tmp, ("--device", "cpu"), catalog="tiny")   # scout's tokenizer is the one we use
     package = tmp / "package"
     package.mkdir()
     llama_policy = open(os.path.join(ROOT, "models", "llama", "llama.loom")).read()
     policy = llama_policy[llama_policy.index("policy {"):]
     (package / "scripted.loom").write_text(SCRIPTED + "\n" + policy)
-    shutil.copy(os.path.join(demo.scout_dir(), "tokenizer.json"), tmp / "tokenizer.json")
+    shutil.copy(os.path.join(tiny_scout_dir(), "tokenizer.json"), tmp / "tokenizer.json")
     srv.tmp = tmp
     yield srv
     srv.stop()

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions on the default catalog's `scout` (tiny random-weight Qwen2 shape)."""
+"""POST /v1/chat/completions on the tiny catalog's `scout` (random weights, see conftest.tiny_scout_dir)."""
 
 import json
 import socket
@@ -7,12 +7,12 @@ import threading
 import openai
 import pytest
 
-from conftest import _start_live, read_response
+from conftest import _start_live, read_response, tiny_scout_dir
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = _start_live(tmp_path_factory.mktemp("chat"), ("--device", "cpu"), default_catalog=True)
+    srv = _start_live(tmp_path_factory.mktemp("chat"), ("--device", "cpu"), catalog="tiny")
     yield srv
     srv.stop()
 
@@ -99,7 +99,7 @@ def test_seeded_sampling_is_reproducible_and_concurrent_clients_match_alone(serv
     ({"tool_choice": "required"}, 400, "unsupported_value"),
     ({"temperature": 3.5}, 400, "out_of_range"),
     ({"max_tokens": 0}, 400, "out_of_range"),
-    ({"max_tokens": 257}, 400, "out_of_range"),              # over limits.max_output_tokens (256)
+    ({"max_tokens": 513}, 400, "out_of_range"),              # over limits.max_output_tokens (512)
     ({"max_completion_tokens": 16384}, 400, "out_of_range"),
     ({"messages": []}, 400, "invalid_value"),
     ({"logprobs": True}, 400, "unknown_field"),
@@ -141,7 +141,7 @@ def test_input_tokens_counts_exactly_what_generation_uses(server):
     models = {m["id"]: m for m in json.loads(server.request("GET", "/v1/models")[2])["data"]}
     loom = models["scout"]["loom"]
     assert loom["input_tokens"] is True and loom["tokenize"] is True
-    assert loom["context_length"] == 2048 and loom["limits"] == {"max_output_tokens": 256}
+    assert loom["context_length"] == 4096 and loom["limits"] == {"max_output_tokens": 512}
 
 
 def test_tools_are_rendered_and_tool_choice_none_is_accepted(server):
@@ -212,7 +212,7 @@ def test_a_follow_up_turn_reuses_the_idle_row(server):
 
 def test_unregister_abort_ends_a_running_stream_with_an_error_event(server, tmp_path):
     from loom import demo
-    doc = {"model": "scout2", "kind": "text", "sources": ["llama.loom"], "checkpoint": demo.scout_dir(),
+    doc = {"model": "scout2", "kind": "text", "sources": ["llama.loom"], "checkpoint": tiny_scout_dir(),
            "base_directory": demo.MODELS + "/llama", "rows": 2, "context_length": 4096, "max_output_tokens": 4000}
     assert server.request("POST", "/v1/models/register", body=json.dumps(doc).encode(),
                           headers={"Content-Type": "application/json"})[0] == 202
@@ -307,12 +307,12 @@ def test_input_tokens_waits_behind_a_drained_model(server):
 
 def test_max_output_tokens_is_the_limit_and_the_default(server):
     for field in ("max_tokens", "max_completion_tokens"):
-        status, body = chat(server, dict(BASE, **{field: 257}))
-        assert status == 400 and body["error"]["param"] == field and "256" in body["error"]["message"], body
-    status, body = chat(server, dict(BASE, max_tokens=256))
-    assert status == 200 and body["usage"]["completion_tokens"] <= 256
-    status, body = chat(server, BASE)                        # omitted: the deployment default, 256
-    assert status == 200 and body["usage"]["completion_tokens"] <= 256
+        status, body = chat(server, dict(BASE, **{field: 513}))
+        assert status == 400 and body["error"]["param"] == field and "512" in body["error"]["message"], body
+    status, body = chat(server, dict(BASE, max_tokens=512))
+    assert status == 200 and body["usage"]["completion_tokens"] <= 512
+    status, body = chat(server, BASE)                        # omitted: the deployment default, 512
+    assert status == 200 and body["usage"]["completion_tokens"] <= 512
 
 
 def test_reasoning_content_is_present_when_thinking_is_on(server):

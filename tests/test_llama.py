@@ -167,10 +167,11 @@ def rms(x, weight, eps=1e-6):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
 
-def rope(x, positions, neox):
+def rope(x, positions, neox, base=10000.0):
     """x: [T, heads, DH] -> rotated (pairs (2i, 2i+1), or (i, i + DH/2) for NeoX)."""
-    half = DH // 2
-    freqs = 10000.0 ** (-np.arange(half) * 2 / DH)
+    dh = x.shape[-1]
+    half = dh // 2
+    freqs = base ** (-np.arange(half) * 2 / dh)
     angles = positions[:, None, None] * freqs[None, None, :]
     cos, sin = np.cos(angles), np.sin(angles)
     out = x.copy()
@@ -223,12 +224,18 @@ def q8_activations(x):
     return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(np.shape(x))
 
 
-def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None):
+TINY = {"layers": L, "heads": H, "kv_heads": HKV, "rope_base": 10000.0, "eps": 1e-6}
+
+
+def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None, shape=TINY):
     """Logits of the last token, float64, the straightforward way; with hidden=True,
     every token's final hidden state after the output norm instead, [T, D].
     act_q8: (token mask, head) from act_q8(): those tokens' matmul inputs (and the
-    head's) are int8-quantized first, as the kernels do."""
+    head's) are int8-quantized first, as the kernels do. shape: the model's
+    hyperparameters (TINY: the random checkpoints here; test_smollm2 passes SmolLM2's)."""
     W = {k: v.astype(np.float64) for k, v in weights.items()}
+    heads, kv_heads, eps = shape["heads"], shape["kv_heads"], shape["eps"]
+    dh = W["blk.0.attn_q.weight"].shape[0] // heads
     mask, head_q8 = act_q8 if act_q8 is not None else (np.zeros(len(tokens), bool), False)
 
     def lin(h, name):
@@ -239,30 +246,30 @@ def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None):
     x = W["token_embd.weight"][tokens]
     positions = np.arange(len(tokens), dtype=np.float64)
     neox = arch != "llama" or fmt != "gguf"   # HF checkpoints rotate halves; GGUF llama weights are permuted
-    for i in range(L):
-        h = rms(x, W[f"blk.{i}.attn_norm.weight"])
+    for i in range(shape["layers"]):
+        h = rms(x, W[f"blk.{i}.attn_norm.weight"], eps)
         q, k, v = (lin(h, f"blk.{i}.attn_{p}.weight") for p in "qkv")
         if arch == "qwen2":
             q, k, v = (m + W[f"blk.{i}.attn_{p}.bias"] for m, p in zip((q, k, v), "qkv"))
-        q, k, v = q.reshape(-1, H, DH), k.reshape(-1, HKV, DH), v.reshape(-1, HKV, DH)
+        q, k, v = q.reshape(-1, heads, dh), k.reshape(-1, kv_heads, dh), v.reshape(-1, kv_heads, dh)
         if arch == "qwen3":
-            q, k = rms(q, W[f"blk.{i}.attn_q_norm.weight"]), rms(k, W[f"blk.{i}.attn_k_norm.weight"])
-        q, k = rope(q, positions, neox), rope(k, positions, neox)
+            q, k = rms(q, W[f"blk.{i}.attn_q_norm.weight"], eps), rms(k, W[f"blk.{i}.attn_k_norm.weight"], eps)
+        q, k = rope(q, positions, neox, shape["rope_base"]), rope(k, positions, neox, shape["rope_base"])
         out = np.zeros_like(q)
-        for head in range(H):
-            g = head // (H // HKV)
-            scores = q[:, head] @ k[:, g].T / math.sqrt(DH)
+        for head in range(heads):
+            g = head // (heads // kv_heads)
+            scores = q[:, head] @ k[:, g].T / math.sqrt(dh)
             scores += np.triu(np.full(scores.shape, -np.inf), 1)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[:, head] = (p / p.sum(-1, keepdims=True)) @ v[:, g]
         x = x + lin(out.reshape(len(tokens), -1), f"blk.{i}.attn_output.weight")
-        h = rms(x, W[f"blk.{i}.ffn_norm.weight"])
+        h = rms(x, W[f"blk.{i}.ffn_norm.weight"], eps)
         gate, up = lin(h, f"blk.{i}.ffn_gate.weight"), lin(h, f"blk.{i}.ffn_up.weight")
         x = x + lin(gate / (1 + np.exp(-gate)) * up, f"blk.{i}.ffn_down.weight")
     if hidden:
-        return rms(x, W["output_norm.weight"])
+        return rms(x, W["output_norm.weight"], eps)
     head = W.get("output.weight", W["token_embd.weight"])
-    last = rms(x[-1], W["output_norm.weight"])
+    last = rms(x[-1], W["output_norm.weight"], eps)
     return (q8_activations(last[None])[0] if head_q8 else last) @ head.T
 
 
@@ -327,11 +334,11 @@ def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt):
 class Rows:
     """A minimal host-side driver of `advance`: rows with page tables, steps mixing rows."""
 
-    def __init__(self, prepared, rows):
-        self.prepared = prepared
+    def __init__(self, prepared, rows, pages=PAGES, vocab=V):
+        self.prepared, self.vocab = prepared, vocab
         self.max_pages = prepared.spec("MAX_PAGES")
-        free = list(np.random.default_rng(7).permutation(PAGES))
-        per_row = min(PAGES // rows, self.max_pages)
+        free = list(np.random.default_rng(7).permutation(pages))
+        per_row = min(pages // rows, self.max_pages)
         self.tables = np.full((rows, self.max_pages), -1, np.int32)
         for r in range(rows):
             self.tables[r, :per_row] = [free.pop() for _ in range(per_row)]
@@ -366,8 +373,9 @@ class Rows:
     def step(self, work):
         """work: [(row, [token ids])] -> logits of each listed row's last token, in order."""
         host = self._pack(work)
-        out = self._run("advance", {"T": len(host["tokens"]), "R": len(work)}, host, "logits", 4 * V * len(work))
-        return out.view(np.float32).reshape(len(work), V)
+        out = self._run("advance", {"T": len(host["tokens"]), "R": len(work)}, host, "logits",
+                        4 * self.vocab * len(work))
+        return out.view(np.float32).reshape(len(work), self.vocab)
 
     def encode(self, work):
         """work: [(row, [token ids])] -> the sequence stage's output bytes, [T, SEQUENCE_BYTES]

@@ -13,14 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from conftest import _start_live
+from conftest import _start_live, tiny_scout_dir
 
 JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = _start_live(tmp_path_factory.mktemp("retained"), ("--device", "cpu"), default_catalog=True)
+    srv = _start_live(tmp_path_factory.mktemp("retained"), ("--device", "cpu"), catalog="tiny")
     yield srv
     srv.stop()
 
@@ -192,8 +192,7 @@ def test_capacity_fixed_backing_and_drained_admission(server, baseline):
 
 
 def scout_checkpoint(server):
-    from loom import demo
-    return demo.scout_dir()
+    return tiny_scout_dir()
 
 
 def llama_folder():
@@ -487,7 +486,7 @@ def test_pending_capacity_bounds_open_admission(server, baseline):
     """Issue 15.3: with the gate open, requests beyond the rows wait up to
     pending_capacity; one more answers 503 queue_full at once, and nothing leaks."""
     from loom import demo
-    doc = {"model": "narrow", "kind": "text", "sources": ["llama.loom"], "checkpoint": demo.scout_dir(),
+    doc = {"model": "narrow", "kind": "text", "sources": ["llama.loom"], "checkpoint": tiny_scout_dir(),
            "base_directory": os.path.join(demo.MODELS, "llama"), "rows": 1, "pending_capacity": 1,
            "context_length": 2048, "max_output_tokens": 2000}
     assert post(server, "/v1/models/register", doc)[0] == 202

@@ -181,7 +181,10 @@ def test_unregister_withdraws_waiting_compilation_readers(thread_server, tmp_pat
     reader.join(10)
     status, body = result["r"]
     assert status == 410 and body["error"]["code"] == "model_unregistered"
-    time.sleep(1.5)  # the held compilation still completes and is then dropped with the model
+    # The held compilation still completes (1.5 s on, plus the build) and is then dropped with the model.
+    deadline = time.monotonic() + 30
+    while ts.call(lambda: "m" in ts.server.registry.registrations) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert ts.call(lambda: "m" in ts.server.registry.registrations) is False
     assert ts.call(lambda: ts.server.registry.device.pool.usage()["by_owner"].get("m")) is None
 

@@ -1,8 +1,9 @@
-"""Write the default catalog's `scout` checkpoint: a tiny Qwen2-shaped model with
-deterministic random weights and a byte-level BPE tokenizer (tokenizer.json).
+"""Write the tests' tiny text checkpoint: a Qwen2-shaped model with deterministic
+random weights and a byte-level BPE tokenizer (tokenizer.json).
 
 It serves the text API's shapes (framing, streaming, tools, limits), not
-meaningful answers. loom/demo.py calls make() on first start; by hand:
+meaningful answers: the serving tests run `scout` on it (tests/conftest.py,
+tiny_scout_dir), where the default catalog runs SmolLM2. By hand:
 
     python models/llama/make_checkpoint.py OUT_DIR
 """
