@@ -82,12 +82,11 @@ def read_preserved(modules):
 def _device_array(checkpoint, tensor, storage):
     """The bytes a param holds on the device, from its checkpoint tensor."""
     info = checkpoint.tensors[tensor]
-    if storage in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if storage in weights.SCALE_FIELDS:
         raw = np.frombuffer(checkpoint.raw(tensor), np.uint8)
-        block = weights.BLOCK_LAYOUT[storage][1]
-        head = 4 if storage in ("Q4_1", "Q5_1") else 2     # these blocks start with d and the minimum m
-        scales = raw.reshape(-1, block)[:, :head].copy().view(np.float16)
-        if not np.isfinite(scales).all():
+        blocks = raw.reshape(-1, weights.BLOCK_LAYOUT[storage][1])
+        scales = np.concatenate([blocks[:, at:at + 2] for at in weights.SCALE_FIELDS[storage]], axis=1)
+        if not np.isfinite(scales.view(np.float16)).all():
             # The kernels decode blocks without checks: an inf/NaN scale would read back as garbage.
             raise PrepareError(f"tensor {tensor!r} has non-finite block scales", "weights")
         return raw

@@ -64,7 +64,7 @@ def itemsize(dtype):
 class Tensor:
     """What binding needs to know of a checkpoint tensor."""
     shape: tuple
-    dtype: str           # F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1
+    dtype: str           # F32 | F16 | BF16 | a block format (Q8_0 | Q4_0 | ... | Q6_K)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class BoundParam:
     alias: tuple | None  # (param, index) this one shares storage with
     shape: tuple
     dtype: str           # the declared dtype (f32 | f16 | i32 | weight)
-    storage: str         # what the device holds: F32, F16, I32, Q8_0, Q4_0, Q4_1
+    storage: str         # what the device holds: F32, F16, I32, or a block format (Q8_0 ... Q6_K)
 
 
 @dataclass
@@ -530,8 +530,9 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
     return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver)
 
 
-STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
-           "Q5_1": "Q5_1"}
+# Block formats stay blocks on the device (the kernels dequantize them); BF16 becomes F32.
+STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32",
+           **{t: t for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}}
 
 
 def _resolve_param(p, index, dims, tensors, params):

@@ -13,8 +13,14 @@ what it actually contains. Every problem is a ``WeightsError`` whose message
 names the file and says what was expected where.
 
 Tensor dtypes: F32, F16, BF16 (GGUF and safetensors) and ggml's block formats
-Q8_0, Q4_0 and Q4_1 (GGUF). ``quantize`` and ``dequantize_blocks`` implement ggml's
-reference quantizers and dequantizers for those blocks, vectorized in numpy.
+(GGUF): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (32 values a block), and the K-quants
+Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-value superblocks of 16- or 32-value
+sub-blocks with their own quantized scales), the types llama.cpp writes for
+its Q2_K ... Q6_K files (rows not a multiple of 256 fall back to Q4_0, Q5_0,
+Q5_1 or Q8_0 there). ``dequantize_blocks`` decodes all of them, vectorized in
+numpy. ``quantize`` writes Q8_0 and Q4_0 as ggml's reference quantizers do
+(byte for byte), and the five K-quants with a simple direct quantizer (valid
+blocks, rounded to nearest, not llama.cpp's search for the best scales).
 
 Runtime dependencies: the standard library and numpy only.
 """
@@ -32,7 +38,7 @@ from . import open_regular
 
 __all__ = [
     "WeightsError", "TensorInfo", "Checkpoint", "open_checkpoint",
-    "dequantize_blocks", "quantize", "BLOCK_LAYOUT", "write_safetensors",
+    "dequantize_blocks", "quantize", "BLOCK_LAYOUT", "SCALE_FIELDS", "write_safetensors",
 ]
 
 
@@ -51,7 +57,7 @@ def _fail(path: str, detail: str) -> WeightsError:
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: str          # "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0" | "Q4_1"
+    dtype: str          # "F32" | "F16" | "BF16" | a block format of BLOCK_LAYOUT ("Q8_0", "Q4_K", ...)
     shape: tuple        # row-major (numpy order)
     offset: int         # absolute byte offset in its file
     nbytes: int
@@ -62,11 +68,16 @@ class TensorInfo:
 
 # dtype -> (values per block, bytes per block); plain dtypes are 1-value blocks.
 BLOCK_LAYOUT = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
-                "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
+                "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+                "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+# Byte offsets of each block's f16 fields (scales d, minimums); every other byte is quant bits or
+# integer sub-block scales, any value of which decodes to a finite number.
+SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # Plain numeric safetensors dtypes that are readable but never weights by default:
 # real checkpoints carry buffers like BERT's int64 position_ids beside the weights.
 _NUMERIC = {"F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
-_QUANTIZED = ("Q8_0", "Q4_0")
+_QUANTIZED = ("Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _INT64_MAX = 2**63 - 1
 
 
@@ -78,6 +89,90 @@ def _nbytes(dtype: str, count: int) -> int:
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     # bfloat16 is the top half of a float32.
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# K-quants: a 256-value superblock is eight 32-value chunks; chunk j holds values 32j .. 32j + 31.
+# Quant bits lie in bit planes: `groups` equal runs of bytes, and in each run byte i holds value i
+# of 8 / width consecutive chunks, the first chunk in the lowest bits. Q2_K's 2-bit quants (and
+# Q3_K's low bits, Q6_K's high bits) are 2 runs of 32 bytes at width 2; Q3_K's and Q5_K's one high
+# bit a value, 1 run of 32 at width 1; Q4_K's and Q5_K's nibbles, 4 runs of 32 at width 4;
+# Q6_K's low nibbles, 2 runs of 64 at width 4.
+
+def _unpack_bits(plane: np.ndarray, groups: int, width: int) -> np.ndarray:
+    """A bit plane (blocks, bytes) -> its fields in value order, (blocks, 256) uint8."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8)[:, None]
+    return ((plane.reshape(len(plane), groups, 1, -1) >> shifts) & ((1 << width) - 1)).reshape(len(plane), 256)
+
+
+def _pack_bits(fields: np.ndarray, groups: int, width: int) -> np.ndarray:
+    """The inverse of _unpack_bits: (blocks, 256) values below 2**width -> (blocks, bytes) uint8."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8)[:, None]
+    runs = fields.astype(np.uint8).reshape(len(fields), groups, 8 // width, -1) << shifts
+    return np.bitwise_or.reduce(runs, axis=2).reshape(len(fields), -1)
+
+
+def _unpack_scale_min(packed: np.ndarray):
+    """Q4_K/Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit minimums, (blocks, 8) each.
+    Bytes 0-3 and 4-7 hold scales 0-3 and minimums 0-3 in their low 6 bits and the top 2 bits
+    of scales/minimums 4-7 in their top 2; bytes 8-11 the low nibbles of scale and minimum 4-7."""
+    sc_lo, m_lo, mix = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([sc_lo & 63, (mix & 15) | (sc_lo >> 6) << 4], axis=1)
+    m = np.concatenate([m_lo & 63, (mix >> 4) | (m_lo >> 6) << 4], axis=1)
+    return sc, m
+
+
+def _pack_scale_min(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The inverse of _unpack_scale_min: (blocks, 8) values in 0..63 each -> (blocks, 12) bytes."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    return np.concatenate([(sc[:, :4] & 63) | (sc[:, 4:] >> 4) << 6, (m[:, :4] & 63) | (m[:, 4:] >> 4) << 6,
+                           (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
+
+
+def _unpack_q3_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes -> sixteen signed 6-bit scales (stored + 32): scale i has its low nibble in
+    byte i % 8 (low nibble for i < 8, high for i >= 8) and its top 2 bits at bit 2(i//4) of byte 8 + i % 4."""
+    low = np.concatenate([packed[:, :8] & 15, packed[:, :8] >> 4], axis=1)
+    high = ((packed[:, None, 8:12] >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3).reshape(-1, 16)
+    return (low | high << 4).astype(np.int8) - np.int8(32)
+
+
+def _pack_q3_scales(scales: np.ndarray) -> np.ndarray:
+    """The inverse of _unpack_q3_scales: (blocks, 16) values in -32..31 -> (blocks, 12) bytes."""
+    u = (scales.astype(np.int16) + 32).astype(np.uint8)
+    low = (u[:, :8] & 15) | (u[:, 8:] & 15) << 4
+    top = (u >> 4).reshape(-1, 4, 4) << np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    return np.concatenate([low, np.bitwise_or.reduce(top, axis=1)], axis=1)
+
+
+def _f16_field(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 field at byte `at` of every block, as float32 (blocks, 1)."""
+    return blocks[:, at:at + 2].copy().view("<f2").astype(np.float32)
+
+
+def _dequantize_k(blocks: np.ndarray, dtype: str) -> np.ndarray:
+    """K-quant superblocks (blocks, block bytes) -> float32 values, with ggml's arithmetic order."""
+    with np.errstate(invalid="ignore"):   # an infinite scale times a zero quant is NaN, as in ggml
+        if dtype == "Q2_K":     # scales[16] (scale | min << 4 per 16 values), qs[64], d, dmin
+            sc = blocks[:, :16].astype(np.float32)
+            dl = np.repeat(_f16_field(blocks, 80) * (sc % 16), 16, axis=1)
+            ml = np.repeat(_f16_field(blocks, 82) * (sc // 16), 16, axis=1)
+            return (dl * _unpack_bits(blocks[:, 16:80], 2, 2) - ml).reshape(-1)
+        if dtype == "Q3_K":     # hmask[32], qs[64], scales[12], d: (low 2 bits - (hmask bit ? 0 : 4)) * scale
+            dl = np.repeat(_f16_field(blocks, 108) * _unpack_q3_scales(blocks[:, 96:108]), 16, axis=1)
+            high = _unpack_bits(blocks[:, :32], 1, 1)
+            q = _unpack_bits(blocks[:, 32:96], 2, 2).astype(np.int8) - ((1 - high) << 2).astype(np.int8)
+            return (dl * q).reshape(-1)
+        if dtype in ("Q4_K", "Q5_K"):   # d, dmin, scales[12], (Q5_K: qh[32]), qs[128]: q * d*sc - dmin*m
+            sc, m = _unpack_scale_min(blocks[:, 4:16])
+            dl = np.repeat(_f16_field(blocks, 0) * sc, 32, axis=1)
+            ml = np.repeat(_f16_field(blocks, 2) * m, 32, axis=1)
+            q = _unpack_bits(blocks[:, 16:144], 4, 4) if dtype == "Q4_K" else \
+                _unpack_bits(blocks[:, 48:176], 4, 4) | _unpack_bits(blocks[:, 16:48], 1, 1) << 4
+            return (dl * q - ml).reshape(-1)
+        # Q6_K: ql[128], qh[64], scales[16] (int8), d: (low nibble | 2 high bits << 4) - 32
+        dl = np.repeat(_f16_field(blocks, 208) * blocks[:, 192:208].view(np.int8), 16, axis=1)
+        q = (_unpack_bits(blocks[:, :128], 2, 4) | _unpack_bits(blocks[:, 128:192], 2, 2) << 4).astype(np.int8) - 32
+        return (dl * q).reshape(-1)
 
 
 def dequantize_blocks(raw, dtype: str, count: int) -> np.ndarray:
@@ -102,6 +197,8 @@ def dequantize_blocks(raw, dtype: str, count: int) -> np.ndarray:
     if dtype == "BF16":
         return _bf16_to_f32(data.view("<u2"))
     blocks = data.reshape(-1, block_bytes)
+    if values == 256:
+        return _dequantize_k(blocks, dtype)
     scale = blocks[:, :2].view("<f2").astype(np.float32)          # (blocks, 1)
     if dtype in ("Q5_0", "Q5_1"):   # d (Q5_1: then m), 32 high bits, Q4_0's nibbles; element e takes bit e
         at = 2 if dtype == "Q5_0" else 4
@@ -137,20 +234,84 @@ def _inverse(d: np.ndarray) -> np.ndarray:
     return inv
 
 
-def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
-    """ggml's reference quantizer: float values -> uint8 blocks.
+def _f16_scale(x: np.ndarray, dtype: str) -> np.ndarray:
+    """A block scale as stored (f16), back in float32; one that f16 cannot hold is an error."""
+    with np.errstate(over="ignore"):
+        half = x.astype(np.float16)
+    if not np.isfinite(half).all():
+        raise WeightsError(f"quantize: values too large for {dtype}: a block scale exceeds float16")
+    return half.astype(np.float32)
 
-    The innermost axis (a multiple of 32) becomes ``blocks * block_bytes``
-    bytes, so an (N, K) matrix gives (N, K // 32 * block_bytes), the layout
-    ``Checkpoint.array`` returns for quantized tensors.
+
+def _quantize_affine(x: np.ndarray, nmax: int, smax: int, dtype: str):
+    """Sub-blocks x (blocks, n, size) as q * d*sc - dmin*m (Q2_K, Q4_K, Q5_K): each sub-block's
+    range [min(lo, 0), hi] split into nmax steps; its step and -min quantized to sc, m in 0..smax
+    against the superblock's d, dmin. -> (d, dmin (blocks, 1) float32 of f16, sc, m (blocks, n), q)."""
+    lo = np.minimum(x.min(axis=2), 0)
+    step = (x.max(axis=2) - lo) / np.float32(nmax)
+    d = _f16_scale(step.max(axis=1, keepdims=True) / np.float32(smax), dtype)
+    dmin = _f16_scale(-lo.min(axis=1, keepdims=True) / np.float32(smax), dtype)
+    sc = np.clip(np.rint(step * _inverse(d)), 0, smax)
+    m = np.clip(np.rint(-lo * _inverse(dmin)), 0, smax)
+    # quants against the scales as stored, so rounding the scales costs no more than a step
+    q = np.clip(np.rint((x + (dmin * m)[..., None]) * _inverse(d * sc)[..., None]), 0, nmax)
+    return d, dmin, sc.astype(np.uint8), m.astype(np.uint8), q.reshape(len(x), -1).astype(np.uint8)
+
+
+def _quantize_symmetric(x: np.ndarray, qmin: int, smin: int, dtype: str):
+    """Sub-blocks x (blocks, n, size) as q * d*sc (Q3_K, Q6_K): each sub-block's value of largest
+    magnitude maps to qmin (the wider, negative end of [qmin, -qmin - 1], as in ggml), and the
+    sub-block scale of largest magnitude to smin. -> (d (blocks, 1), sc (blocks, n) int, q + |qmin|)."""
+    def signed_peak(a):
+        return np.take_along_axis(a, np.abs(a).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    scale = signed_peak(x) / np.float32(qmin)
+    d = _f16_scale(signed_peak(scale)[:, None] / np.float32(smin), dtype)
+    sc = np.clip(np.rint(scale * _inverse(d)), smin, -smin - 1)
+    q = np.clip(np.rint(x * _inverse(d * sc)[..., None]), qmin, -qmin - 1)
+    return d, sc.astype(np.int16), (q - qmin).reshape(len(x), -1).astype(np.uint8)
+
+
+def _quantize_k(blocks: np.ndarray, dtype: str) -> np.ndarray:
+    """Superblocks (blocks, 256) float32 -> (blocks, block bytes) of dtype, in ggml's layouts."""
+    def half(v):
+        return v.astype("<f2").view(np.uint8)
+    if dtype == "Q2_K":     # scales[16], qs[64], d, dmin
+        d, dmin, sc, m, q = _quantize_affine(blocks.reshape(-1, 16, 16), 3, 15, dtype)
+        parts = [sc | m << 4, _pack_bits(q, 2, 2), half(d), half(dmin)]
+    elif dtype == "Q3_K":   # hmask[32], qs[64], scales[12], d
+        d, sc, q = _quantize_symmetric(blocks.reshape(-1, 16, 16), -4, -32, dtype)
+        parts = [_pack_bits(q >> 2, 1, 1), _pack_bits(q & 3, 2, 2), _pack_q3_scales(sc), half(d)]
+    elif dtype in ("Q4_K", "Q5_K"):     # d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+        d, dmin, sc, m, q = _quantize_affine(blocks.reshape(-1, 8, 32), 15 if dtype == "Q4_K" else 31, 63, dtype)
+        high = [_pack_bits(q >> 4, 1, 1)] if dtype == "Q5_K" else []
+        parts = [half(d), half(dmin), _pack_scale_min(sc, m), *high, _pack_bits(q & 15, 4, 4)]
+    else:                   # Q6_K: ql[128], qh[64], scales[16] int8, d
+        d, sc, q = _quantize_symmetric(blocks.reshape(-1, 16, 16), -32, -128, dtype)
+        parts = [_pack_bits(q & 15, 2, 4), _pack_bits(q >> 4, 2, 2), sc.astype(np.int8).view(np.uint8), half(d)]
+    return np.concatenate(parts, axis=1)
+
+
+def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Float values -> uint8 blocks: Q8_0 and Q4_0 as ggml's reference quantizer writes them;
+    Q2_K ... Q6_K by a direct quantizer (each sub-block's scale from its range, every scale
+    and quant rounded to nearest; valid blocks, coarser than llama.cpp's search).
+
+    The innermost axis (a multiple of the block size: 32, or 256 for the K-quants) becomes
+    ``blocks * block_bytes`` bytes, so an (N, K) matrix gives (N, K // block * block_bytes),
+    the layout ``Checkpoint.array`` returns for quantized tensors.
     """
     if dtype not in _QUANTIZED:
         raise WeightsError(f"quantize: dtype must be one of {', '.join(_QUANTIZED)}, got {dtype!r}")
     x = np.asarray(values, dtype=np.float32)
-    if x.ndim == 0 or x.shape[-1] % 32:
-        raise WeightsError(f"quantize: the innermost dimension must be a multiple of 32, got shape {x.shape}")
+    size = BLOCK_LAYOUT[dtype][0]
+    if x.ndim == 0 or x.shape[-1] % size:
+        raise WeightsError(f"quantize: the innermost dimension must be a multiple of {size} for {dtype}, "
+                           f"got shape {x.shape}")
     if not np.isfinite(x).all():
         raise WeightsError("quantize: values contain NaN or infinity")
+    if size == 256:
+        out = _quantize_k(x.reshape(-1, 256), dtype)
+        return out.reshape(*x.shape[:-1], x.shape[-1] // 256 * BLOCK_LAYOUT[dtype][1])
     blocks = x.reshape(-1, 32)
     if dtype == "Q8_0":
         d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
@@ -277,7 +438,8 @@ _GGML_TYPE_NAMES = {
     23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
     30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }
-_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1"}
+_GGML_SUPPORTED = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 # GGUF metadata value types: scalars by struct code; 8 is a string, 9 an array.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
@@ -370,7 +532,7 @@ def _read_gguf(path: str) -> Checkpoint:
             if dtype is None:
                 known = f"{_GGML_TYPE_NAMES.get(type_id, 'unknown')} ({type_id})"
                 raise _fail(path, f"tensor {name!r} has type {known}, which Loom does not support; "
-                                  f"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1")
+                                  f"supported: {', '.join(_GGML_SUPPORTED.values())}")
             count = 1
             for d in ne:
                 count *= d
@@ -379,7 +541,7 @@ def _read_gguf(path: str) -> Checkpoint:
                                       f"and their product at most 2**63-1")
             if BLOCK_LAYOUT[dtype][0] > 1 and ne[0] % BLOCK_LAYOUT[dtype][0]:
                 raise _fail(path, f"tensor {name!r} is {dtype} with a row of {ne[0]} values; "
-                                  f"quantized rows must be a multiple of 32")
+                                  f"quantized rows must be a multiple of {BLOCK_LAYOUT[dtype][0]}")
             if rel % alignment:
                 raise _fail(path, f"tensor {name!r} data offset {rel} is not a multiple of the alignment {alignment}")
             tensors[name] = TensorInfo(name, dtype, tuple(reversed(ne)), data_start + rel, _nbytes(dtype, count), path)
@@ -560,7 +722,7 @@ class Checkpoint:
         return memoryview(buf)[t.offset:t.offset + t.nbytes]
 
     def array(self, name: str) -> np.ndarray:
-        """F32/F16: a read-only zero-copy view; BF16: float32; Q8_0/Q4_0/Q4_1: uint8 blocks (rows, row bytes)."""
+        """F32/F16: a read-only zero-copy view; BF16: float32; block formats: uint8 blocks (rows, row bytes)."""
         t, buf = self._info(name)
         if t.dtype in ("F32", "F16"):
             item = "<f4" if t.dtype == "F32" else "<f2"

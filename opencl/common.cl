@@ -11,6 +11,8 @@
  *   Q4_1: 20 bytes = f16 scale d, f16 minimum m, then Q4_0's nibbles; value q * d + m
  *   Q4_0: 18 bytes = f16 scale d, 16 bytes of nibbles;   byte j holds element j
  *         in its low nibble and element j + 16 in its high nibble; value = d * (q - 8)
+ *   Q5_0 / Q5_1: Q4_0 / Q4_1 plus a fifth bit per element (32-bit qh)
+ *   K-quants (Q2_K ... Q6_K): 256-element superblocks, see "K-quants" below
  * Blocks start at even byte offsets.
  *
  * Why not the builtins on CPUs: PoCL 3.0 here inlines no builtin function
@@ -40,6 +42,12 @@
 #define LOOM_Q4_1_BYTES 20  /* f16 scale d, f16 minimum m, 16 bytes of nibbles: q * d + m */
 #define LOOM_Q5_0_BYTES 22  /* f16 d, 32 high bits qh, nibbles: ((nibble | bit << 4) - 16) * d */
 #define LOOM_Q5_1_BYTES 24  /* f16 d, f16 m, 32 high bits qh, nibbles: (nibble | bit << 4) * d + m */
+#define LOOM_QK_K 256       /* elements per K-quant superblock */
+#define LOOM_Q2_K_BYTES 84
+#define LOOM_Q3_K_BYTES 110
+#define LOOM_Q4_K_BYTES 144
+#define LOOM_Q5_K_BYTES 176
+#define LOOM_Q6_K_BYTES 210
 
 /* ---- horizontal sums: accumulators stay vectors in hot loops, reduced once ---- */
 inline float loom_hsum4(float4 v) { return (v.s0 + v.s1) + (v.s2 + v.s3); }
@@ -273,6 +281,139 @@ inline uint loom_q5_high(const __global uchar *blk, int qh)
 LOOM_DEF_Q5(4)
 LOOM_DEF_Q5(8)
 LOOM_DEF_Q5(16)
+
+/* ---- K-quants (ggml's layouts, QK_K = 256) ----
+ * A superblock of 256 elements is eight 32-element chunks; chunk j holds elements
+ * 32j .. 32j + 31. Each element is u * ds + ms for an unsigned quant u and its
+ * sub-block's float scale ds and offset ms (sub-blocks of 16 elements, or 32 for
+ * Q4_K/Q5_K):
+ *   Q2_K (84 bytes):  scales[16] (4-bit scale | 4-bit min << 4 per 16 elements),
+ *                     qs[64] (2 bits), f16 d, f16 dmin;  d*sc * u - dmin*m
+ *   Q3_K (110):       hmask[32] (third bit), qs[64] (low 2 bits), scales[12]
+ *                     (sixteen 6-bit, stored + 32), f16 d;  d*sc * (u - 4)
+ *   Q4_K (144):       f16 d, f16 dmin, scales[12] (eight 6-bit scales and mins),
+ *                     qs[128] (nibbles);  d*sc * u - dmin*m
+ *   Q5_K (176):       as Q4_K with qh[32] (fifth bit) before qs
+ *   Q6_K (210):       ql[128] (low nibbles), qh[64] (top 2 bits), scales[16]
+ *                     (int8), f16 d;  d*sc * (u - 32)
+ * Quant bits lie in planes whose bytes carry several chunks: the helpers below
+ * take chunk j (0..7) and element offset off within it (a multiple of n). off
+ * is a constant in hot loops; j is too where callers unroll a superblock. The
+ * n = (empty) variants are scalar. Scales are read with loom_block_scale_finite:
+ * readers reject non-finite ones. */
+inline uchar loom_ld_uchar(const __global uchar *p) { return *p; }
+#define LOOM_DEF_KQ(n)                                                           \
+    /* 2 bits: chunk j is bits 2(j%4).. of bytes 32(j/4) + off (Q2_K, Q3_K low bits, Q6_K high bits) */ \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_kq_bits2, n)(const __global uchar *p, int j, int off) \
+    {                                                                            \
+        return (LOOM_CAT(loom_ld_uchar, n)(p + 32 * (j >> 2) + off) >> (uchar)(2 * (j & 3))) & (uchar)3; \
+    }                                                                            \
+    /* 1 bit: chunk j is bit j of bytes off.. (Q3_K's hmask, Q5_K's qh) */      \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_kq_bit, n)(const __global uchar *p, int j, int off) \
+    {                                                                            \
+        return (LOOM_CAT(loom_ld_uchar, n)(p + off) >> (uchar)j) & (uchar)1;      \
+    }                                                                            \
+    /* nibbles: chunk j is the low (j even) or high nibbles of bytes 32(j/2) + off (Q4_K, Q5_K) */ \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_kq_bits4, n)(const __global uchar *p, int j, int off) \
+    {                                                                            \
+        return (LOOM_CAT(loom_ld_uchar, n)(p + 32 * (j >> 1) + off) >> (uchar)(4 * (j & 1))) & (uchar)15; \
+    }                                                                            \
+    /* Q6_K's low nibbles: each 128-element half takes 64 bytes, low nibbles first */ \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_kq_bits4_q6, n)(const __global uchar *p, int j, int off) \
+    {                                                                            \
+        return (LOOM_CAT(loom_ld_uchar, n)(p + 64 * (j >> 2) + 32 * (j & 1) + off) >> (uchar)(2 * (j & 2))) & (uchar)15; \
+    }                                                                            \
+    /* each type's unsigned quants u */                                         \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_q2_k_u, n)(const __global uchar *blk, int j, int off) \
+    {                                                                            \
+        return LOOM_CAT(loom_kq_bits2, n)(blk + 16, j, off);                     \
+    }                                                                            \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_q3_k_u, n)(const __global uchar *blk, int j, int off) \
+    {                                                                            \
+        return LOOM_CAT(loom_kq_bits2, n)(blk + 32, j, off) | LOOM_CAT(loom_kq_bit, n)(blk, j, off) << (uchar)2; \
+    }                                                                            \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_q4_k_u, n)(const __global uchar *blk, int j, int off) \
+    {                                                                            \
+        return LOOM_CAT(loom_kq_bits4, n)(blk + 16, j, off);                     \
+    }                                                                            \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_q5_k_u, n)(const __global uchar *blk, int j, int off) \
+    {                                                                            \
+        return LOOM_CAT(loom_kq_bits4, n)(blk + 48, j, off) | LOOM_CAT(loom_kq_bit, n)(blk + 16, j, off) << (uchar)4; \
+    }                                                                            \
+    inline LOOM_CAT(uchar, n) LOOM_CAT(loom_q6_k_u, n)(const __global uchar *blk, int j, int off) \
+    {                                                                            \
+        return LOOM_CAT(loom_kq_bits4_q6, n)(blk, j, off) | LOOM_CAT(loom_kq_bits2, n)(blk + 128, j, off) << (uchar)4; \
+    }
+LOOM_DEF_KQ()
+LOOM_DEF_KQ(4)
+LOOM_DEF_KQ(8)
+LOOM_DEF_KQ(16)
+
+/* Chunk j's scales: ds[h], ms[h] for its elements 16h .. 16h + 15 (both halves
+ * equal for Q4_K/Q5_K, whose sub-blocks are whole chunks). */
+inline void loom_q2_k_scales(const __global uchar *blk, int j, float *ds, float *ms)
+{
+    float d = loom_block_scale_finite(blk + 80), dmin = loom_block_scale_finite(blk + 82);
+    for (int h = 0; h < 2; h++) {
+        uchar s = blk[2 * j + h];
+        ds[h] = d * (float)(s & 15);
+        ms[h] = -(dmin * (float)(s >> 4));
+    }
+}
+inline void loom_q3_k_scales(const __global uchar *blk, int j, float *ds, float *ms)
+{
+    const __global uchar *s = blk + 96;
+    float d = loom_block_scale_finite(blk + 108);
+    for (int h = 0; h < 2; h++) {
+        int i = 2 * j + h;     /* low nibble in byte i % 8, top 2 bits at bit 2(i/4) of byte 8 + i % 4 */
+        int low = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
+        int high = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        ds[h] = d * (float)((low | high << 4) - 32);
+        ms[h] = -4.0f * ds[h];
+    }
+}
+/* Q4_K/Q5_K's 6-bit scale and min of chunk j from their 12 bytes: j < 4 in the low
+ * 6 bits of bytes j and j + 4; j >= 4 in the nibbles of byte j + 4, topped by the
+ * high 2 bits of bytes j - 4 and j. */
+inline void loom_q4_k_scales(const __global uchar *blk, int j, float *ds, float *ms)
+{
+    const __global uchar *s = blk + 4;
+    int sc, m;
+    if (j < 4) {
+        sc = s[j] & 63;
+        m = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+    ds[0] = ds[1] = loom_block_scale_finite(blk) * (float)sc;
+    ms[0] = ms[1] = -(loom_block_scale_finite(blk + 2) * (float)m);
+}
+#define loom_q5_k_scales loom_q4_k_scales   /* the same d, dmin and scales at the same offsets */
+inline void loom_q6_k_scales(const __global uchar *blk, int j, float *ds, float *ms)
+{
+    float d = loom_block_scale_finite(blk + 208);
+    for (int h = 0; h < 2; h++) {
+        ds[h] = d * (float)((const __global char *)blk)[192 + 2 * j + h];
+        ms[h] = -32.0f * ds[h];
+    }
+}
+
+/* Scalar element i of a K-quant row. */
+#define LOOM_DEF_KQ_AT(t, BYTES)                                                 \
+    inline float loom_##t##_at(const __global uchar *row, int i)                 \
+    {                                                                            \
+        const __global uchar *blk = row + (size_t)(i / LOOM_QK_K) * BYTES;       \
+        int j = i % LOOM_QK_K / 32, l = i % 32;                                  \
+        float ds[2], ms[2];                                                      \
+        loom_##t##_scales(blk, j, ds, ms);                                       \
+        return (float)loom_##t##_u(blk, j, l) * ds[l / 16] + ms[l / 16];         \
+    }
+LOOM_DEF_KQ_AT(q2_k, LOOM_Q2_K_BYTES)
+LOOM_DEF_KQ_AT(q3_k, LOOM_Q3_K_BYTES)
+LOOM_DEF_KQ_AT(q4_k, LOOM_Q4_K_BYTES)
+LOOM_DEF_KQ_AT(q5_k, LOOM_Q5_K_BYTES)
+LOOM_DEF_KQ_AT(q6_k, LOOM_Q6_K_BYTES)
 
 /* Scalar element i of a quantized row (slow path: tails, odd sizes). */
 inline float loom_q8_0_at(const __global uchar *row, int i)

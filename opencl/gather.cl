@@ -8,7 +8,8 @@
  *     float scale)                     1.0f for none (Gemma: sqrt(D))
  *
  * Macros: D, VOCAB (required); TABLE_F32 | TABLE_F16 | TABLE_Q8_0 | TABLE_Q4_0 | TABLE_Q4_1 | TABLE_Q5_0 | TABLE_Q5_1
- *   (required, exactly one; quantized rows are raw ggml blocks, D % 32 == 0).
+ *   | TABLE_Q2_K | TABLE_Q3_K | TABLE_Q4_K | TABLE_Q5_K | TABLE_Q6_K
+ *   (required, exactly one; quantized rows are raw ggml blocks, D % 32 == 0; K-quants D % 256 == 0).
  * Launch: global = (D, T), local = any (NULL).
  * An id outside [0, VOCAB) yields a row of zeros: the kernel never reads out of
  * bounds, but the caller must validate ids (this is not an error report).
@@ -23,8 +24,9 @@
 #error "gather.cl: define VOCAB (table rows)"
 #endif
 #if defined(TABLE_F32) + defined(TABLE_F16) + defined(TABLE_Q8_0) + defined(TABLE_Q4_0) + defined(TABLE_Q4_1) \
-    + defined(TABLE_Q5_0) + defined(TABLE_Q5_1) != 1
-#error "gather.cl: define exactly one of TABLE_F32, TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1, TABLE_Q5_0, TABLE_Q5_1"
+    + defined(TABLE_Q5_0) + defined(TABLE_Q5_1) + defined(TABLE_Q2_K) + defined(TABLE_Q3_K) + defined(TABLE_Q4_K) \
+    + defined(TABLE_Q5_K) + defined(TABLE_Q6_K) != 1
+#error "gather.cl: define exactly one of TABLE_F32, TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1, TABLE_Q5_0, TABLE_Q5_1, TABLE_Q2_K, TABLE_Q3_K, TABLE_Q4_K, TABLE_Q5_K, TABLE_Q6_K"
 #endif
 
 #if defined(TABLE_F32)
@@ -47,6 +49,21 @@
 #define TABLE_T uchar
 #define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q5_1_BYTES)
 #define AT(row, i) loom_q5_at(row, i, LOOM_Q5_1_BYTES, 8, 4, 1)
+#elif defined(TABLE_Q2_K)
+#define KQ_TABLE(row, i) loom_q2_k_at(row, i)
+#define KQ_BYTES LOOM_Q2_K_BYTES
+#elif defined(TABLE_Q3_K)
+#define KQ_TABLE(row, i) loom_q3_k_at(row, i)
+#define KQ_BYTES LOOM_Q3_K_BYTES
+#elif defined(TABLE_Q4_K)
+#define KQ_TABLE(row, i) loom_q4_k_at(row, i)
+#define KQ_BYTES LOOM_Q4_K_BYTES
+#elif defined(TABLE_Q5_K)
+#define KQ_TABLE(row, i) loom_q5_k_at(row, i)
+#define KQ_BYTES LOOM_Q5_K_BYTES
+#elif defined(TABLE_Q6_K)
+#define KQ_TABLE(row, i) loom_q6_k_at(row, i)
+#define KQ_BYTES LOOM_Q6_K_BYTES
 #elif defined(TABLE_Q4_1)
 #define TABLE_T uchar
 #define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q4_1_BYTES)
@@ -55,6 +72,15 @@
 #define TABLE_T uchar
 #define ROW_STRIDE ((size_t)(D / LOOM_QK) * LOOM_Q4_0_BYTES)
 #define AT(row, i) loom_q4_0_at(row, i)
+#endif
+
+#ifdef KQ_BYTES     /* K-quants: rows of D / 256 superblocks */
+#define TABLE_T uchar
+#define ROW_STRIDE ((size_t)(D / LOOM_QK_K) * KQ_BYTES)
+#define AT(row, i) KQ_TABLE(row, i)
+#if D % LOOM_QK_K != 0
+#error "gather.cl: K-quant tables need D % 256 == 0"
+#endif
 #endif
 
 #if !defined(TABLE_F32) && !defined(TABLE_F16) && D % LOOM_QK != 0

@@ -10,9 +10,11 @@
  * Macros:
  *   K, N                 required: inputs per row, output rows
  *   WEIGHT_F32 | WEIGHT_F16 | WEIGHT_Q8_0 | WEIGHT_Q4_0 | WEIGHT_Q4_1 | WEIGHT_Q5_0 | WEIGHT_Q5_1
- *                        required, exactly one (Q4_1, Q5_0, Q5_1: the float path only).
+ *   | WEIGHT_Q2_K | WEIGHT_Q3_K | WEIGHT_Q4_K | WEIGHT_Q5_K | WEIGHT_Q6_K
+ *                        required, exactly one (all but Q8_0, Q4_0: the float path only).
  *                        W is float* / half* (storage) / uchar* (raw ggml blocks,
- *                        K/32 blocks per row, rows back to back). Quantized: K % 32 == 0.
+ *                        K/32 blocks per row, or K/256 superblocks for the K-quants,
+ *                        rows back to back). Quantized: K % 32 == 0 (K-quants: K % 256 == 0).
  *                        Block scales must be finite (a reader should reject others).
  *   ROWS_PER_ITEM  (1)   output rows per work-item
  *   TOKENS_PER_ITEM (1)  tokens per register tile (at most 16): each loaded
@@ -85,13 +87,18 @@
 #endif
 
 #if defined(WEIGHT_F32) + defined(WEIGHT_F16) + defined(WEIGHT_Q8_0) + defined(WEIGHT_Q4_0) + defined(WEIGHT_Q4_1) \
-    + defined(WEIGHT_Q5_0) + defined(WEIGHT_Q5_1) != 1
-#error "matmul.cl: define exactly one of WEIGHT_F32, WEIGHT_F16, WEIGHT_Q8_0, WEIGHT_Q4_0, WEIGHT_Q4_1, WEIGHT_Q5_0, WEIGHT_Q5_1"
+    + defined(WEIGHT_Q5_0) + defined(WEIGHT_Q5_1) + defined(WEIGHT_Q2_K) + defined(WEIGHT_Q3_K) + defined(WEIGHT_Q4_K) \
+    + defined(WEIGHT_Q5_K) + defined(WEIGHT_Q6_K) != 1
+#error "matmul.cl: define exactly one of WEIGHT_F32, WEIGHT_F16, WEIGHT_Q8_0, WEIGHT_Q4_0, WEIGHT_Q4_1, WEIGHT_Q5_0, WEIGHT_Q5_1, WEIGHT_Q2_K, WEIGHT_Q3_K, WEIGHT_Q4_K, WEIGHT_Q5_K, WEIGHT_Q6_K"
 #endif
 
-/* KSTEP: elements per outer step (one quantized block); WLOAD(r, kb, c): VW
- * dequantized weights of row r at k = kb + c; WSCALE_DECL: per-step block scales. */
+/* KSTEP: elements per step (one quantized block, or one 32-element chunk of a
+ * K-quant superblock); WLOAD(r, kb, c): VW dequantized weights of row r at
+ * k = kb + c; WSCALE_DECL: per-step block scales. KBLOCK: elements per unrolled
+ * group of steps (KSTEP, or a whole superblock, so each step's chunk index is a
+ * constant and the K-quant bit-plane shifts fold). */
 #define KSTEP 32
+#define KBLOCK KSTEP
 #if defined(WEIGHT_F32)
 #define WTYPE float
 #define ROW_STRIDE ((size_t)K)                         /* in WTYPE units */
@@ -120,6 +127,26 @@
 #define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q5_1_BYTES)
 #define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = loom_block_scale_finite(WBLK(r, kb)); m[r] = loom_block_scale_finite(WBLK(r, kb) + 2); }
 #define WLOAD(r, kb, c) (LOOM_CAT(loom_q5_u, VW)(WBLK(r, kb), 8, 4, (c)) * d[r] + m[r])
+#elif defined(WEIGHT_Q2_K)
+#define KQ_BYTES LOOM_Q2_K_BYTES
+#define KQ_SCALES loom_q2_k_scales
+#define KQ_U LOOM_CAT(loom_q2_k_u, VW)
+#elif defined(WEIGHT_Q3_K)
+#define KQ_BYTES LOOM_Q3_K_BYTES
+#define KQ_SCALES loom_q3_k_scales
+#define KQ_U LOOM_CAT(loom_q3_k_u, VW)
+#elif defined(WEIGHT_Q4_K)
+#define KQ_BYTES LOOM_Q4_K_BYTES
+#define KQ_SCALES loom_q4_k_scales
+#define KQ_U LOOM_CAT(loom_q4_k_u, VW)
+#elif defined(WEIGHT_Q5_K)
+#define KQ_BYTES LOOM_Q5_K_BYTES
+#define KQ_SCALES loom_q5_k_scales
+#define KQ_U LOOM_CAT(loom_q5_k_u, VW)
+#elif defined(WEIGHT_Q6_K)
+#define KQ_BYTES LOOM_Q6_K_BYTES
+#define KQ_SCALES loom_q6_k_scales
+#define KQ_U LOOM_CAT(loom_q6_k_u, VW)
 #elif defined(WEIGHT_Q4_1)
 #define WTYPE uchar
 #define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q4_1_BYTES)
@@ -134,6 +161,23 @@
 /* d * (q - 8) as one fma: q * d + (-8 d) */
 #define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = loom_block_scale_finite(WBLK(r, kb)); m[r] = -8.0f * d[r]; }
 #define WLOAD(r, kb, c) (LOOM_CAT(loom_q4_0_u, VW)(WBLK(r, kb), (c)) * d[r] + m[r])
+#endif
+
+#ifdef KQ_BYTES
+/* K-quants, one path for all five: chunk kj = (kb - kb0) / 32 of the superblock at
+ * kb0; each step decodes that chunk's scales once per row, then u * ds + ms as one
+ * fma per lane (ds, ms per 16-element half: VW <= 16 lanes never straddle two). */
+#define WTYPE uchar
+#undef KBLOCK
+#define KBLOCK LOOM_QK_K
+#define ROW_STRIDE ((size_t)(K / LOOM_QK_K) * KQ_BYTES)
+#define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK_K) * KQ_BYTES)
+#define WSCALE_DECL const int kj = ((kb) - kb0) / KSTEP; float ds[RPI][2], ms[RPI][2]; \
+    _Pragma("unroll") for (int r = 0; r < RPI; r++) KQ_SCALES(WBLK(r, kb), kj, ds[r], ms[r]);
+#define WLOAD(r, kb, c) (LOOM_CAT(convert_float, VW)(KQ_U(WBLK(r, kb), kj, (c))) * ds[r][(c) / 16] + ms[r][(c) / 16])
+#if K % LOOM_QK_K != 0
+#error "matmul.cl: K-quant weights need K % 256 == 0"
+#endif
 #endif
 
 #if !defined(WEIGHT_F32) && !defined(WEIGHT_F16) && K % LOOM_QK != 0
@@ -190,21 +234,24 @@ __attribute__((always_inline)) inline void mm_tile(
             for (int a = 0; a < NACC; a++)
                 acc[r][j][a] = (VF)(0.0f);
 
-    for (int kb = 0; kb < K_MAIN; kb += KSTEP) {
-        WSCALE_DECL
+    for (int kb0 = 0; kb0 < K_MAIN; kb0 += KBLOCK) {
         #pragma unroll
-        for (int c = 0; c < KSTEP; c += VW) {
-            VF w[RPI];
+        for (int kb = kb0; kb < kb0 + KBLOCK; kb += KSTEP) {
+            WSCALE_DECL
             #pragma unroll
-            for (int r = 0; r < RPI; r++)
-                w[r] = WLOAD(r, kb, c);
-            #pragma unroll
-            for (int j = 0; j < TPI; j++) {
-                if (j < nt) {
-                    VF x = VLOAD(xrow[j] + kb + c);
-                    #pragma unroll
-                    for (int r = 0; r < RPI; r++)
-                        acc[r][j][(c / VW) % NACC] += w[r] * x;
+            for (int c = 0; c < KSTEP; c += VW) {
+                VF w[RPI];
+                #pragma unroll
+                for (int r = 0; r < RPI; r++)
+                    w[r] = WLOAD(r, kb, c);
+                #pragma unroll
+                for (int j = 0; j < TPI; j++) {
+                    if (j < nt) {
+                        VF x = VLOAD(xrow[j] + kb + c);
+                        #pragma unroll
+                        for (int r = 0; r < RPI; r++)
+                            acc[r][j][(c / VW) % NACC] += w[r] * x;
+                    }
                 }
             }
         }

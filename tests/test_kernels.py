@@ -185,6 +185,87 @@ def make_weights(kind, w):
     return quantize_q4_0(w)
 
 
+# ---------------------------------------------------------------- K-quants
+
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# ggml's superblocks (QK_K = 256): bytes, and the byte offsets of their f16 fields (d, dmin)
+KQ_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+             "Q6_K": (210, (208,))}
+
+
+def kquant_weights(kind, n, k, seed, magnitude=0.01):
+    """Random K-quant superblocks, [N, K] (K % 256 == 0): random bytes, so every quant and
+    sub-block scale bit pattern occurs, with the f16 fields set to finite values of either
+    sign up to `magnitude` (one superblock's zero, as a quantizer writes for zeros).
+    -> (raw [N, K/256*bytes] uint8, gguf's dequantization as float64: an independent decoder)."""
+    import gguf
+    size, fields = KQ_BLOCKS[kind]
+    r = rng(seed)
+    raw = r.integers(0, 256, (n, k // 256 * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for at in fields:
+        halves = (r.uniform(-1, 1, len(blocks)) * magnitude).astype(np.float16)
+        halves[0] = 0
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).astype(np.float64)
+    return raw, ref.reshape(n, k)
+
+
+KQ_MATMUL_CASES = [
+    # (N, K, geometry (ROWS_PER_ITEM, TOKENS_PER_ITEM, WG, VW), bias, accumulate)
+    (5, 256, (1, 1, 8, 16), False, False),       # one superblock, decode defaults, N < WG
+    (37, 4864, (4, 2, 8, 8), True, False),       # 19 superblocks, N % 4 != 0
+    (19, 768, (1, 4, 8, 16), True, True),        # odd N, cohort tile, residual add
+    (1, 256, (3, 3, 2, 4), False, True),         # N = 1, odd tile sizes, 4 lanes
+    (43, 1536, (4, 4, 8, 16), True, True),       # the wide prefill tile
+    (9, 512, (2, 1, 16, 8), False, False),       # N % WG != 0, 8 lanes
+]
+
+
+@pytest.mark.parametrize("kind", KQUANTS)
+@pytest.mark.parametrize("case", range(len(KQ_MATMUL_CASES)))
+def test_matmul_kquants(env, kind, case):
+    """Every K-quant against gguf's dequantization of the same random superblocks."""
+    n, k, geometry, has_bias, accumulate = KQ_MATMUL_CASES[case]
+    wraw, wref = kquant_weights(kind, n, k, 200 + case)
+    r = rng(300 + case)
+    bias = r.standard_normal(n).astype(np.float32) if has_bias else None
+    for t in (1, 3, 67):
+        x = r.standard_normal((t, k)).astype(np.float32)
+        y0 = r.standard_normal((t, n)).astype(np.float32) if accumulate else None
+        ref = x.astype(np.float64) @ wref.T + (bias if has_bias else 0.0) + (y0 if accumulate else 0.0)
+        got = run_matmul(env, kind, n, k, x, wraw, bias, y0, geometry)
+        assert_close(got, ref, 1e-4)
+
+
+@pytest.mark.parametrize("kind", KQUANTS)
+def test_matmul_kquant_cohort_tails(env, kind):
+    """llama.loom's cohort geometries and the wide tile at every T up to 9 (every tail
+    width). Not TOKENS_PER_ITEM = 16: fifteen inlined tail tiles of a fully unrolled
+    superblock take Intel's compiler a minute to build, and no package uses it."""
+    for n, k, geometries in ((19, 512, ((1, 4, 8, 16), (1, 2, 8, 16))), (11, 2560, ((2, 4, 8, 8), (4, 4, 8, 16)))):
+        wraw, wref = kquant_weights(kind, n, k, 41)
+        x = rng(42).standard_normal((9, k)).astype(np.float32)
+        y0 = rng(43).standard_normal((9, n)).astype(np.float32)
+        for geometry in geometries:
+            for t in range(1, 10):
+                got = run_matmul(env, kind, n, k, x[:t], wraw, y0=y0[:t], geometry=geometry)
+                assert_close(got, y0[:t] + x[:t].astype(np.float64) @ wref.T, 1e-4)
+
+
+@pytest.mark.parametrize("kind", KQUANTS)
+def test_matmul_kquant_subnormal_scales(env, kind):
+    """Superblock scales d (and dmin) that are f16 subnormals."""
+    n, k = 6, 512
+    wraw, wref = kquant_weights(kind, n, k, 33, magnitude=6e-5)
+    size, fields = KQ_BLOCKS[kind]
+    halves = np.abs(wraw.reshape(-1, size)[:, fields[0]:fields[0] + 2].copy().view(np.float16))
+    assert ((halves > 0) & (halves < np.float16(6.104e-5))).mean() > 0.5
+    x = rng(34).standard_normal((3, k)).astype(np.float32)
+    got = run_matmul(env, kind, n, k, x, wraw, geometry=(1, 1, 8, 16))
+    assert_close(got, x.astype(np.float64) @ wref.T, 1e-4)
+
+
 def random_weights(seed, n, k):
     w = rng(seed).standard_normal((n, k)).astype(np.float32)
     if k % QK == 0:
@@ -799,6 +880,35 @@ def test_gather(env, kind):
     ref[ok] = ref_table[ids[ok]] * 2.5
     assert_close(got, ref, REL[kind])
     assert not got[~ok].any()                       # out-of-range ids give zeros
+
+
+@pytest.mark.parametrize("kind", KQUANTS)
+@pytest.mark.parametrize("d", [256, 768])
+def test_gather_kquants(env, kind, d):
+    """Embedding rows of one and of three superblocks, an odd vocabulary, ids out of range."""
+    vocab = 37
+    raw, ref_table = kquant_weights(kind, vocab, d, 610 + d)
+    prg = env.build("gather", D=d, VOCAB=vocab, **{"TABLE_" + kind: True})
+    ids = np.array([3, 0, 36, 3, -1, 37, 17, 0], np.int32)
+    t = len(ids)
+    ob = env.empty(t * d * 4)
+    env.run(prg.gather, (d, t), None, env.buf(raw), env.buf(ids), ob, i32(t), f32(2.5))
+    got = env.read(ob, (t, d))
+    ok = (ids >= 0) & (ids < vocab)
+    ref = np.zeros((t, d))
+    ref[ok] = ref_table[ids[ok]] * 2.5
+    assert_close(got, ref, 1e-6)
+    assert not got[~ok].any()
+
+
+def test_kquant_sizes_are_build_errors(env):
+    """K-quant rows must be whole superblocks: K or D not a multiple of 256 does not build."""
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=96, N=4, WEIGHT_Q4_K=True)
+    assert "K % 256" in str(e.value)
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("gather", D=896, VOCAB=4, TABLE_Q6_K=True)
+    assert "D % 256" in str(e.value)
 
 
 # ---------------------------------------------------------------- pooling

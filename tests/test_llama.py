@@ -21,11 +21,14 @@ gguf = pytest.importorskip("gguf")
 from loom import runtime  # noqa: E402
 from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
+from loom.weights import open_checkpoint, quantize  # noqa: E402
 
 SOURCE = os.path.join(ROOT, "models", "llama", "llama.loom")
 V, D, L, H, HKV, F = 96, 64, 2, 4, 2, 128
 DH = D // H
 PAGE, PAGES, CTX = 16, 24, 512
+KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+KQ_DIMS = (256, 256)     # (D, F) of K-quant checkpoints: every row one 256-value superblock (few shapes to build)
 
 
 HF_NAMES = [
@@ -83,9 +86,28 @@ def write_hf(folder, arch, tensors, dtype):
     return used
 
 
-def make_checkpoint(path, arch, dtype, seed, fmt="gguf"):
+def q4_k_m_type(name, cols, tied):
+    """The type llama.cpp's quantizer gives a matrix of a Q4_K_M file (src/llama-quant.cpp,
+    llama_tensor_get_type for a non-Falcon model without imatrix): the output head (and a
+    tied token embedding, which doubles as the head) Q6_K, attn_v and ffn_down Q6_K in the
+    layers use_more_bits picks (of L = 2: layer 1), the rest Q4_K; then rows (cols) not a
+    multiple of 256 fall back: the head to Q8_0, Q6_K to Q8_0, Q4_K to Q5_0."""
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q8_0" if cols % 256 else "Q6_K"
+    kind = "Q4_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        if layer < L // 8 or layer >= 7 * L // 8 or (layer - L // 8) % 3 == 2:   # use_more_bits
+            kind = "Q6_K"
+    return {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[kind] if cols % 256 else kind
+
+
+def make_checkpoint(path, arch, dtype, seed, fmt="gguf", dims=None):
     """Random weights in `fmt` ("gguf" at path, or "safetensors" in the folder path);
-    returns the values the model really holds (after rounding or quantization)."""
+    returns the values the model really holds (after rounding or quantization).
+    dtype "Q4_K_M": each matrix in the type q4_k_m_type gives it. dims: (D, F), by
+    default (D, F) of this module, or KQ_DIMS for a K-quant dtype."""
+    d_model, ffn = dims or (KQ_DIMS if dtype in KQUANTS else (D, F))
     rng = np.random.default_rng(seed)
     if fmt == "safetensors":
         raw = make_checkpoint(None, arch, "F32", seed, fmt="values")
@@ -102,8 +124,8 @@ def make_checkpoint(path, arch, dtype, seed, fmt="gguf"):
     if fmt == "values":
         w.add_uint32 = w.add_float32 = lambda *a: None
     w.add_uint32(f"{arch}.block_count", L)
-    w.add_uint32(f"{arch}.embedding_length", D)
-    w.add_uint32(f"{arch}.feed_forward_length", F)
+    w.add_uint32(f"{arch}.embedding_length", d_model)
+    w.add_uint32(f"{arch}.feed_forward_length", ffn)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", HKV)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
@@ -112,19 +134,22 @@ def make_checkpoint(path, arch, dtype, seed, fmt="gguf"):
 
     def matrix(name, rows, cols, scale):
         values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
-        if dtype == "F32":
+        kind = q4_k_m_type(name, cols, arch == "qwen2") if dtype == "Q4_K_M" else dtype
+        if kind == "F32":
             w.add_tensor(name, values)
-        elif dtype == "F16":
+        elif kind == "F16":
             w.add_tensor(name, values.astype(np.float16))
             values = values.astype(np.float16).astype(np.float32)
-        elif dtype in ("Q4_1", "Q5_0", "Q5_1"):   # gguf's own quantizer and dequantizer: the reference
-            qtype = getattr(gguf.GGMLQuantizationType, dtype)
-            raw = gguf.quants.quantize(values, qtype)
+        elif kind in ("Q4_1", "Q5_0", "Q5_1") + KQUANTS:
+            # gguf's dequantization of the very bytes written: the reference (gguf's own
+            # quantizer where it has one; gguf-py cannot write K-quants, Loom's can)
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            raw = quantize(values, kind) if kind in KQUANTS else gguf.quants.quantize(values, qtype)
             values = gguf.quants.dequantize(raw, qtype).astype(np.float32)
             w.add_tensor(name, raw, raw_dtype=qtype)
         else:
-            raw, values = (q8_0 if dtype == "Q8_0" else q4_0)(values)
-            w.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, dtype))
+            raw, values = (q8_0 if kind == "Q8_0" else q4_0)(values)
+            w.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         weights[name] = values
 
     def vector(name, n, base=1.0, scale=0.1):
@@ -132,26 +157,27 @@ def make_checkpoint(path, arch, dtype, seed, fmt="gguf"):
         w.add_tensor(name, values)
         weights[name] = values
 
-    matrix("token_embd.weight", V, D, 1.0)
+    d, f, dh = d_model, ffn, d_model // H
+    matrix("token_embd.weight", V, d, 1.0)
     for i in range(L):
-        vector(f"blk.{i}.attn_norm.weight", D)
-        matrix(f"blk.{i}.attn_q.weight", H * DH, D, D ** -0.5)
-        matrix(f"blk.{i}.attn_k.weight", HKV * DH, D, D ** -0.5)
-        matrix(f"blk.{i}.attn_v.weight", HKV * DH, D, D ** -0.5)
+        vector(f"blk.{i}.attn_norm.weight", d)
+        matrix(f"blk.{i}.attn_q.weight", H * dh, d, d ** -0.5)
+        matrix(f"blk.{i}.attn_k.weight", HKV * dh, d, d ** -0.5)
+        matrix(f"blk.{i}.attn_v.weight", HKV * dh, d, d ** -0.5)
         if arch == "qwen2":
-            for part, n in (("q", H * DH), ("k", HKV * DH), ("v", HKV * DH)):
+            for part, n in (("q", H * dh), ("k", HKV * dh), ("v", HKV * dh)):
                 vector(f"blk.{i}.attn_{part}.bias", n, base=0.0, scale=0.2)
         if arch == "qwen3":
-            vector(f"blk.{i}.attn_q_norm.weight", DH)
-            vector(f"blk.{i}.attn_k_norm.weight", DH)
-        matrix(f"blk.{i}.attn_output.weight", D, H * DH, (H * DH) ** -0.5)
-        vector(f"blk.{i}.ffn_norm.weight", D)
-        matrix(f"blk.{i}.ffn_gate.weight", F, D, D ** -0.5)
-        matrix(f"blk.{i}.ffn_up.weight", F, D, D ** -0.5)
-        matrix(f"blk.{i}.ffn_down.weight", D, F, F ** -0.5)
-    vector("output_norm.weight", D)
+            vector(f"blk.{i}.attn_q_norm.weight", dh)
+            vector(f"blk.{i}.attn_k_norm.weight", dh)
+        matrix(f"blk.{i}.attn_output.weight", d, H * dh, (H * dh) ** -0.5)
+        vector(f"blk.{i}.ffn_norm.weight", d)
+        matrix(f"blk.{i}.ffn_gate.weight", f, d, d ** -0.5)
+        matrix(f"blk.{i}.ffn_up.weight", f, d, d ** -0.5)
+        matrix(f"blk.{i}.ffn_down.weight", d, f, f ** -0.5)
+    vector("output_norm.weight", d)
     if arch != "qwen2":  # qwen2-style: tied output head
-        matrix("output.weight", V, D, D ** -0.5)
+        matrix("output.weight", V, d, d ** -0.5)
     if fmt == "values":
         return w.tensors
     w.write_header_to_file()
@@ -307,15 +333,59 @@ def run_advance(prepared, tokens, page_ids):
 CASES = [(arch, dtype, "gguf") for arch in ("llama", "qwen2", "qwen3") for dtype in ("F32", "F16", "Q8_0", "Q4_0")] \
     + [(arch, dtype, "safetensors") for arch in ("llama", "qwen2", "qwen3") for dtype in ("F32", "F16", "BF16")] \
     + [("qwen2", "Q8_0+int8", "gguf"), ("llama", "Q4_0+int8", "gguf"), ("llama", "Q4_1", "gguf"), ("qwen2", "Q5_0", "gguf"),
-         ("llama", "Q5_1", "gguf")]
+         ("llama", "Q5_1", "gguf")] \
+    + [(arch, dtype, "gguf") for arch, dtype in zip(("llama", "qwen2", "qwen3", "llama", "qwen2"), KQUANTS)]
 
 
 @pytest.mark.parametrize("arch,dtype,fmt", CASES, ids=["-".join(c) for c in CASES])
 def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt):
     """Prompts of 1, 7, 33 and 257 tokens (257 in prefill chunks of 64, over more than one KV page)."""
+    check_logits(device, tmp_path, arch, dtype, fmt)
+
+
+# Q4_K_M-style mixes (q4_k_m_type), with dims (D, F) where fallback occurs: F = 320 rows
+# make ffn_down fall back to Q5_0 / Q8_0 beside Q4_K and Q6_K; D = 64 makes every matrix
+# but ffn_down fall back, as Qwen2.5-0.5B's D = 896 does in its Q4_K_M files.
+MIX_CASES = [("llama", (256, 320), {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}),
+             ("qwen2", (256, 320), {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}),
+             ("qwen2", (64, 256), {"Q4_K", "Q6_K", "Q5_0", "Q8_0"})]
+
+
+@pytest.mark.parametrize("arch,dims,types", MIX_CASES, ids=[f"{a}-{d}x{f}" for a, (d, f), _ in MIX_CASES])
+def test_q4_k_m_mix_logits_match_numpy(device, tmp_path, arch, dims, types):
+    """A checkpoint of mixed types as llama.cpp's Q4_K_M writes them, each matrix's kernels
+    specialized to its own type, against the numpy forward pass of gguf's dequantization."""
+    path = check_logits(device, tmp_path, arch, "Q4_K_M", "gguf", dims)
+    with open_checkpoint(path) as ck:      # the dims really made matrices fall back
+        matrices = {t.dtype for t in ck.tensors.values() if len(t.shape) == 2}
+    assert matrices == types
+
+
+@pytest.mark.parametrize("kind,field,value", [("Q2_K", 82, np.nan), ("Q3_K", 108, np.inf), ("Q4_K", 2, -np.inf),
+                                              ("Q5_K", 0, np.nan), ("Q6_K", 208, np.inf)])
+def test_non_finite_kquant_scales_fail_preparation(device, tmp_path, kind, field, value):
+    """A NaN or infinite d or dmin in one superblock of one tensor stops preparation (the
+    kernels decode without checks), naming the tensor."""
+    dev, compiler = device
+    path = tmp_path / "m.gguf"
+    make_checkpoint(path, "llama", kind, seed=3)
+    name = "blk.1.ffn_up.weight"
+    with open_checkpoint(path) as ck:
+        at = ck.tensors[name].offset + 5 * ck.tensors[name].nbytes // ck.tensors[name].shape[0] + field
+    data = bytearray(path.read_bytes())
+    data[at:at + 2] = np.float16(value).tobytes()       # row 5, its first superblock
+    path.write_bytes(bytes(data))
+    with pytest.raises(runtime.PrepareError, match=f"tensor '{name}' has non-finite block scales") as e:
+        runtime.prepare("bad", [SOURCE], str(path), options(kind), dev, compiler).release()
+    assert e.value.code == "weights"
+
+
+def check_logits(device, tmp_path, arch, dtype, fmt, dims=None):
+    """Last-token logits of prompts of 1, 7, 33 and 257 tokens (257 in prefill chunks of 64)
+    against forward(); returns the checkpoint's path."""
     dev, compiler = device
     path = tmp_path / ("m.gguf" if fmt == "gguf" else "hf")
-    weights = make_checkpoint(path, arch, split(dtype)[0], seed=sum(map(ord, arch + dtype + fmt)), fmt=fmt)
+    weights = make_checkpoint(path, arch, split(dtype)[0], seed=sum(map(ord, arch + dtype + fmt)), fmt=fmt, dims=dims)
     prepared = runtime.prepare(f"{arch}-{dtype}", [SOURCE], str(path), options(dtype), dev, compiler)
     try:
         rng = np.random.default_rng(1)
@@ -329,6 +399,7 @@ def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt):
             assert np.abs(logits - want).max() <= rel_tol(dtype) * scale, (n, np.abs(logits - want).max(), scale)
     finally:
         prepared.release()
+    return path
 
 
 class Rows:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.numpy import save_file
 
 from loom.weights import (
-    Checkpoint, TensorInfo, WeightsError, dequantize_blocks, open_checkpoint, quantize,
+    SCALE_FIELDS, Checkpoint, TensorInfo, WeightsError, dequantize_blocks, open_checkpoint, quantize,
 )
 
 RNG = np.random.default_rng(1234)
@@ -62,11 +62,85 @@ def ref_dequantize(raw: bytes, dtype: str, count: int) -> np.ndarray:
             for e in range(32):
                 q = (qs[e] & 15 if e < 16 else qs[e - 16] >> 4) | ((high >> e) & 1) << 4
                 out.append(np.float32(q - 16) * d if m is None else np.float32(q) * d + m)
+    elif dtype in KQ_SIZES:
+        size = KQ_SIZES[dtype]
+        for b in range(count // 256):
+            out += ref_dequantize_k(raw[b * size:(b + 1) * size], dtype)
     elif dtype == "BF16":
         out = [struct.unpack("<f", b"\0\0" + raw[i:i + 2])[0] for i in range(0, 2 * count, 2)]
     else:
         out = np.frombuffer(raw, "<f4" if dtype == "F32" else "<f2")
     return np.asarray(out, dtype=np.float32)
+
+
+KQ_SIZES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def half_at(block: bytes, at: int) -> np.float32:
+    return np.float32(np.frombuffer(block[at:at + 2], "<f2")[0])
+
+
+def scale_min_k4(j: int, q: bytes):
+    """ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from Q4_K/Q5_K's 12 bytes."""
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def ref_dequantize_k(block: bytes, dtype: str) -> list:
+    """One K-quant superblock, the loops of ggml's dequantize_row_q*_K, in float32."""
+    f = np.float32
+    out = []
+    if dtype == "Q2_K":         # scales[16], qs[64], d, dmin
+        d, dmin, qs = half_at(block, 80), half_at(block, 82), block[16:80]
+        scales = iter(block[:16])
+        for n in (0, 32):
+            for shift in (0, 2, 4, 6):
+                for part in (0, 16):
+                    sc = next(scales)
+                    dl, ml = d * f(sc & 0xF), dmin * f(sc >> 4)
+                    out += [dl * f((qs[n + part + l] >> shift) & 3) - ml for l in range(16)]
+    elif dtype == "Q3_K":       # hmask[32], qs[64], scales[12], d
+        hm, qs, d = block[:32], block[32:96], half_at(block, 108)
+        # the 16 6-bit scales, unpacked as ggml does, in 32-bit words
+        aux = list(struct.unpack("<3I", block[96:108])) + [0]
+        tmp, k1, k2 = aux[2], 0x03030303, 0x0F0F0F0F
+        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4)
+        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4)
+        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4)
+        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4)
+        scales = iter(struct.unpack("<16b", struct.pack("<4I", *aux)))
+        m = 1
+        for n in (0, 32):
+            for shift in (0, 2, 4, 6):
+                for part in (0, 16):
+                    dl = d * f(next(scales) - 32)
+                    out += [dl * f(((qs[n + part + l] >> shift) & 3) - (0 if hm[part + l] & m else 4))
+                            for l in range(16)]
+                m <<= 1
+    elif dtype in ("Q4_K", "Q5_K"):     # d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+        d, dmin, scales = half_at(block, 0), half_at(block, 2), block[4:16]
+        qh, ql = (block[16:48], block[48:]) if dtype == "Q5_K" else (bytes(32), block[16:])
+        for j in range(4):
+            (sc1, m1), (sc2, m2) = scale_min_k4(2 * j, scales), scale_min_k4(2 * j + 1, scales)
+            d1, d2, mm1, mm2 = d * f(sc1), d * f(sc2), dmin * f(m1), dmin * f(m2)
+            q = ql[32 * j:32 * j + 32]
+            out += [d1 * f((q[l] & 0xF) + (16 if qh[l] & (1 << 2 * j) else 0)) - mm1 for l in range(32)]
+            out += [d2 * f((q[l] >> 4) + (16 if qh[l] & (2 << 2 * j) else 0)) - mm2 for l in range(32)]
+    else:                       # Q6_K: ql[128], qh[64], scales[16] int8, d
+        ql, qh, d = block[:128], block[128:192], half_at(block, 208)
+        sc = struct.unpack("<16b", block[192:208])
+        for n in (0, 1):
+            y = [f(0)] * 128
+            for l in range(32):
+                a, b, h = ql[64 * n + l], ql[64 * n + l + 32], qh[32 * n + l]
+                s = 8 * n + l // 16
+                q1, q2 = (a & 0xF) | ((h >> 0) & 3) << 4, (b & 0xF) | ((h >> 2) & 3) << 4
+                q3, q4 = (a >> 4) | ((h >> 4) & 3) << 4, (b >> 4) | ((h >> 6) & 3) << 4
+                y[l], y[l + 32] = d * f(sc[s]) * f(q1 - 32), d * f(sc[s + 2]) * f(q2 - 32)
+                y[l + 64], y[l + 96] = d * f(sc[s + 4]) * f(q3 - 32), d * f(sc[s + 6]) * f(q4 - 32)
+            out += y
+    return out
 
 
 def f32_exact(x) -> np.ndarray:
@@ -113,8 +187,8 @@ def write_gguf(path, tensors, *, alignment=None, endianess=gguf.GGUFEndian.LITTL
         elif dtype == "F16":
             data = values.astype(np.float16)
             w.add_tensor(name, data)
-        else:
-            data = gguf.quants.quantize(values, QT[dtype])
+        else:   # gguf-py cannot quantize K-quants: Loom's quantizer writes those
+            data = quantize(values, dtype) if dtype in KQ_SIZES else gguf.quants.quantize(values, QT[dtype])
             w.add_tensor(name, data, raw_dtype=QT[dtype])
         stored[name] = data.tobytes()
     w.write_header_to_file()
@@ -126,7 +200,9 @@ def write_gguf(path, tensors, *, alignment=None, endianess=gguf.GGUFEndian.LITTL
 
 GGUF_TENSORS = [
     ("w.f32", "F32", (3, 64)), ("w.f16", "F16", (4, 32)), ("w.bf16", "BF16", (2, 32)),
-    ("w.q8", "Q8_0", (5, 64)), ("w.q4", "Q4_0", (3, 96)), ("w.q41", "Q4_1", (4, 64)), ("w.q50", "Q5_0", (3, 64)), ("w.q51", "Q5_1", (2, 96)), ("vec", "F32", (7,)),
+    ("w.q8", "Q8_0", (5, 64)), ("w.q4", "Q4_0", (3, 96)), ("w.q41", "Q4_1", (4, 64)), ("w.q50", "Q5_0", (3, 64)), ("w.q51", "Q5_1", (2, 96)),
+    ("w.q2k", "Q2_K", (2, 256)), ("w.q3k", "Q3_K", (3, 512)), ("w.q4k", "Q4_K", (2, 512)), ("w.q5k", "Q5_K", (3, 256)),
+    ("w.q6k", "Q6_K", (2, 768)), ("vec", "F32", (7,)),
     ("cube", "F16", (2, 3, 4)), ("four", "F32", (2, 1, 3, 2)), ("q8.vec", "Q8_0", (64,)),
     ("last", "F32", (8,)),    # 32 bytes: ends the file without padding
 ]
@@ -195,6 +271,7 @@ def test_gguf_array_forms(gguf_file):
         assert q8.dtype == np.uint8 and q8.shape == (5, 2 * 34)
         assert q8.tobytes() == stored["w.q8"]
         assert ck.array("w.q4").shape == (3, 3 * 18)
+        assert ck.array("w.q6k").shape == (2, 3 * 210)
         assert ck.array("q8.vec").shape == (1, 2 * 34)
 
 
@@ -318,13 +395,85 @@ def test_quantize_error_bound(dtype, steps, levels):
     assert (np.abs(back - x).reshape(-1, 32) <= d * steps * 1.0001).all()
 
 
+def random_superblocks(dtype, count, seed):
+    """Random bytes (every quant and integer sub-block scale pattern) with finite f16 fields."""
+    r = np.random.default_rng(seed)
+    blocks = r.integers(0, 256, (count, KQ_SIZES[dtype]), dtype=np.uint8)
+    for at in SCALE_FIELDS[dtype]:
+        blocks[:, at:at + 2] = (r.standard_normal(count) * 0.1).astype("<f2").view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("dtype", list(KQ_SIZES))
+def test_kquant_dequantize_random_superblocks(dtype):
+    """Random superblocks decode as ggml's loops do (this file) and as gguf.quants does, exactly."""
+    blocks = random_superblocks(dtype, 9, sum(map(ord, dtype)))
+    mine = dequantize_blocks(blocks, dtype, 9 * 256)
+    assert mine.dtype == np.float32 and mine.shape == (9 * 256,)
+    np.testing.assert_array_equal(mine, ref_dequantize(blocks.tobytes(), dtype, 9 * 256))
+    np.testing.assert_array_equal(mine, gguf.quants.dequantize(blocks, QT[dtype]).reshape(-1))
+
+
+def kquant_edge_rows():
+    """Superblocks of awkward values, one a row: zeros, a constant negative, all positive,
+    one dominant value of either sign, values too small for f16 scales, big values, and
+    sub-blocks of very different scales side by side."""
+    ramp = np.linspace(-1, 1, 256)
+    rows = [np.zeros(256), np.full(256, -3.0), np.abs(ramp) + 0.5, np.r_[-40.0, ramp[1:] * 1e-3],
+            np.r_[ramp[:-1] * 1e-3, 40.0], np.full(256, 1e-30), np.r_[1e-30, np.zeros(255)],
+            ramp * 3e4, ramp * np.repeat(10.0 ** np.arange(-4, 4), 32)]
+    return np.stack(rows).astype(np.float32)
+
+
+# Error bounds of quantize's K-quants (see its helpers), per element of sub-block j:
+# affine types (Q2_K, Q4_K, Q5_K, range [lo, hi] with lo = min(x, 0), nmax steps):
+#   (hi - lo) / nmax / 2 + (nmax + 1) * d / 2 + dmin / 2 (the scale and min rounding);
+# symmetric types (Q3_K, Q6_K, peak |x| mapped to qmin): |x|max / |qmin| + (|qmin| + 1) * |d|.
+KQ_QUANT = {"Q2_K": ("affine", 16, 3), "Q3_K": ("symmetric", 16, 4), "Q4_K": ("affine", 32, 15),
+            "Q5_K": ("affine", 32, 31), "Q6_K": ("symmetric", 16, 32)}
+
+
+@pytest.mark.parametrize("dtype", list(KQ_SIZES))
+def test_kquant_quantize_is_valid_and_bounded(dtype):
+    edges, sigma = len(kquant_edge_rows()), 2.0
+    x = np.concatenate([kquant_edge_rows(), RNG.standard_normal((7, 256)).astype(np.float32) * sigma])
+    x = x.reshape(-1, 512)                            # rows of two superblocks
+    q = quantize(x, dtype)
+    assert q.dtype == np.uint8 and q.shape == (len(x), 2 * KQ_SIZES[dtype])
+    back = gguf.quants.dequantize(q, QT[dtype])       # an independent decoder of the bytes
+    assert np.isfinite(back).all()
+    np.testing.assert_array_equal(dequantize_blocks(q, dtype, x.size), back.reshape(-1))
+    blocks = q.reshape(-1, KQ_SIZES[dtype])
+    fields = [np.abs(blocks[:, at:at + 2].copy().view("<f2").astype(np.float64)) for at in SCALE_FIELDS[dtype]]
+    kind, size, levels = KQ_QUANT[dtype]
+    sub = x.reshape(len(blocks), -1, size).astype(np.float64)
+    if kind == "affine":
+        d, dmin = fields
+        lo = np.minimum(sub.min(axis=2), 0)
+        bound = (sub.max(axis=2) - lo) / levels / 2 + (levels + 1) * d / 2 + dmin / 2
+    else:
+        bound = np.abs(sub).max(axis=2) / levels + (levels + 1) * fields[0]
+    err = np.abs(back.reshape(sub.shape) - sub)
+    # (+ 1e-30: values far below f16's smallest scale, as in two edge rows, decode to zero)
+    assert (err <= bound[..., None] * (1 + 1e-3) + 1e-30).all()
+    assert not back[0, :256].any()                    # zeros stay exactly zero
+    # useful, not only valid: on normal values the rms error stays near a rounding step's
+    # (a sub-block's range, about 5 sigma, / levels / sqrt(12), so under 2 sigma / levels)
+    noise = (back.reshape(-1, 256) - x.reshape(-1, 256))[edges:]
+    assert np.sqrt((noise ** 2).mean()) < 2 * sigma / levels
+
+
 def test_quantizer_rejections():
     with pytest.raises(WeightsError, match="multiple of 32"):
         quantize(np.zeros((2, 48), np.float32), "Q8_0")
     with pytest.raises(WeightsError, match="NaN"):
         quantize(np.r_[np.nan, np.zeros(31)], "Q4_0")
     with pytest.raises(WeightsError, match="dtype"):
-        quantize(np.zeros(32), "Q4_K")
+        quantize(np.zeros(32), "Q4_1")
+    with pytest.raises(WeightsError, match="multiple of 256 for Q4_K"):
+        quantize(np.zeros((2, 896), np.float32), "Q4_K")
+    with pytest.raises(WeightsError, match="too large for Q6_K"):
+        quantize(np.full(256, 3e38, np.float32), "Q6_K")
     with pytest.raises(WeightsError, match="68 bytes, got 67"):
         dequantize_blocks(bytes(67), "Q8_0", 64)
     with pytest.raises(WeightsError, match="multiple of 32"):
@@ -462,14 +611,18 @@ def test_gguf_lying_counts_reject_without_allocating(tmp_path, data, match):
 @pytest.mark.parametrize("kvs,infos,data,match", [
     ([kv("k", VT.UINT8, 1), kv("k", VT.UINT8, 2)], [], b"", "duplicate metadata key 'k'"),
     ([], [f32_info("x", 8, 0), f32_info("x", 8, 32)], bytes(64), "duplicate tensor name 'x'"),
-    ([], [tinfo("blk.0.attn_q.weight", [256, 2], 12, 0)], bytes(288),
-     r"tensor 'blk.0.attn_q.weight' has type Q4_K \(12\), which Loom does not support; "
-     r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1$"),
+    ([], [tinfo("blk.0.attn_q.weight", [256, 2], 23, 0)], bytes(288),
+     r"tensor 'blk.0.attn_q.weight' has type IQ4_XS \(23\), which Loom does not support; "
+     r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K$"),
+    ([], [tinfo("w", [256], 35, 0)], bytes(64), r"tensor 'w' has type TQ2_0 \(35\), which Loom does not support"),
+    ([], [tinfo("w", [256], 20, 0)], bytes(64), r"tensor 'w' has type IQ4_NL \(20\), which Loom does not support"),
     ([], [tinfo("t", [4], 28, 0)], bytes(32), r"tensor 't' has type F64 \(28\), which Loom does not support"),
     ([], [tinfo("t", [4], 99, 0)], bytes(32), r"tensor 't' has type unknown \(99\)"),
     ([], [tinfo("q", [48, 2], 8, 0)], bytes(128),
      "tensor 'q' is Q8_0 with a row of 48 values; quantized rows must be a multiple of 32"),
     ([], [tinfo("q", [16], 2, 0)], bytes(32), "Q4_0 with a row of 16 values"),
+    ([], [tinfo("blk.0.attn_q.weight", [896, 2], 12, 0)], bytes(7 * 144),
+     "tensor 'blk.0.attn_q.weight' is Q4_K with a row of 896 values; quantized rows must be a multiple of 256"),
     ([], [tinfo("t", [], 0, 0)], bytes(32), "tensor 't' has 0 dimensions; GGUF allows 1 to 4"),
     ([], [tinfo("t", [1] * 5, 0, 0)], bytes(32), "tensor 't' has 5 dimensions"),
     ([], [tinfo("t", [4, 0], 0, 0)], bytes(32), r"tensor 't' has dimensions \[4, 0\]; each must be positive"),
