@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: soak install system-drivers run test bench bench-drivers clean
+.PHONY: soak install system-drivers run test bench bench-drivers bench-peers clean
 
 install: $(STAMP)
 
@@ -65,6 +65,15 @@ soak: install
 # Every installed CPU driver side by side on bench/llama.py (docs/operations.md, "OpenCL drivers").
 bench-drivers: install
 	$(PY) bench/drivers.py
+
+# The peers bench/ compares with, each in its own folder (never imported by Loom): llama.cpp
+# through llama-cpp-python, built from source (~6 minutes on 2 cores). AMX is disabled because
+# it faults on one of our hosts; --no-deps keeps .venv's numpy the one numpy.
+PEERS ?= .peers
+LLAMA_CPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+bench-peers: install
+	test -d $(PEERS)/llama_cpp || CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_CPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_FLAGS)'" \
+	  $(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(PEERS) llama-cpp-python==0.3.36 diskcache
 
 clean:
 	rm -rf $(VENV) build loom/_native/*.c loom/_native/*.so *.egg-info

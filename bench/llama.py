@@ -19,11 +19,23 @@ their N x K): the serial sum, not the pipelined step.
 With --gguf PATH (repeatable), any llama-architecture GGUF instead, such as
 the default catalog's SmolLM2-135M-Instruct Q4_1 (`--gguf smollm2` names it).
 
+With --peer, llama.cpp beside Loom on the same files (llama-cpp-python from
+`make bench-peers`, in .peers/): each engine measures in its own fresh process,
+the two alternating, --rounds times, and the best of each is printed with the
+ratio Loom / llama.cpp: pp128 (one 128-token prompt) and 64 greedy decode
+steps at batch 1, llama.cpp on 2 threads. The generated files then carry a
+vocabulary (llama.cpp needs one) and are quantized by llama.cpp's own
+quantizer from F32: F16, Q8_0, Q4_0 (pure) and Q4_K_M (llama.cpp's mix);
+--peer-files picks among those and smollm2.
+
     python bench/llama.py [--dtypes F16,Q8_0] [--gguf PATH] [--decode 32] [--rows 1,2,4,8] [--breakdown]
+    python bench/llama.py --peer [--peer-files F16,Q8_0,Q4_0,Q4_K_M,smollm2] [--rounds 2]
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -45,6 +57,8 @@ BATCH_CONTEXT = 128      # positions each batched row already holds
 
 
 def checkpoint(dtype):
+    """The generated 0.5B-shape file in `dtype` (Loom's quantizer); "F32-vocab": float32 with a
+    vocabulary, the source llama.cpp's quantizer starts from."""
     import gguf
     path = os.path.join(CACHE, f"qwen-0.5b-shape-{dtype}.gguf")
     if os.path.exists(path):
@@ -58,10 +72,16 @@ def checkpoint(dtype):
                        ("attention.head_count", s["H"]), ("attention.head_count_kv", s["HKV"])):
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    if dtype == "F32-vocab":
+        w.add_uint32("llama.rope.dimension_count", dh)
+        w.add_uint32("llama.context_length", 4096)
+        vocabulary(w, s["V"])
 
     def matrix(name, rows, cols):
         values = (rng.standard_normal((rows, cols), np.float32) * cols ** -0.5)
-        if dtype == "F16":
+        if dtype == "F32-vocab":
+            w.add_tensor(name, values)
+        elif dtype == "F16":
             w.add_tensor(name, values.astype(np.float16))
         else:
             w.add_tensor(name, quantize(values, dtype), raw_dtype=getattr(gguf.GGMLQuantizationType, dtype))
@@ -264,6 +284,122 @@ def _timed(fn):
     return time.perf_counter() - start
 
 
+# -- llama.cpp beside Loom ------------------------------------------------------------
+
+PEERS = os.path.join(ROOT, ".peers")
+PEER_TYPES = {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}   # llama_ftype values
+DECODE_STEPS = 64
+
+
+def peer_module():
+    """llama-cpp-python from make bench-peers' folder, or None."""
+    if os.path.isdir(PEERS) and PEERS not in sys.path:
+        sys.path.append(PEERS)
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+def vocabulary(writer, size):
+    """A byte-level BPE vocabulary of `size` tokens (no merges): llama.cpp loads no model without one."""
+    from loom.tokenizer import _bytes_to_unicode
+    chars = list(_bytes_to_unicode())
+    tokens = chars + [f"<t{i}>" for i in range(size - len(chars))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * size)
+    writer.add_token_merges([f"{chars[0]} {chars[1]}"])   # llama.cpp needs the key; gguf writes no empty list
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+
+def peer_file(kind):
+    """A bench file llama.cpp and Loom both load: the 0.5B shape in F32 with a vocabulary,
+    quantized by llama.cpp's own quantizer (pure for F16/Q8_0/Q4_0, its mix for Q4_K_M)."""
+    if kind == "smollm2":
+        from loom import demo
+        return demo.smollm2_file()
+    out = os.path.join(CACHE, f"qwen-0.5b-shape-vocab-{kind}.gguf")
+    if os.path.exists(out):
+        return out
+    source = checkpoint("F32-vocab")
+    llama_cpp = peer_module()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = PEER_TYPES[kind]
+    params.nthread = 2
+    params.pure = kind != "Q4_K_M"
+    if llama_cpp.llama_model_quantize(source.encode(), (out + ".tmp").encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def measure(engine, path):
+    """One engine on one file, in this (fresh) process: {"prefill", "decode"} tok/s."""
+    import gguf
+    vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, vocab, 128)]
+    if engine == "llama.cpp":
+        llm = peer_module().Llama(model_path=path, n_threads=2, n_threads_batch=2, n_ctx=CTX, n_batch=128,
+                                  n_ubatch=128, verbose=False)
+        llm.eval(prompt)                       # warm: first-use allocations and repacking
+        llm.reset()
+        prefill = _timed(lambda: llm.eval(prompt))
+
+        def last():      # the last position's logits (llama.cpp computes only those)
+            return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+
+        def step(token):
+            llm.eval([token])
+            return last()
+        token = last()
+    else:
+        device = Device()
+        prepared = runtime.prepare("bench", [SOURCE], path, {"pages": CTX // PAGE, "page_size": PAGE,
+                                                             "context_length": CTX}, device, Compiler(device, run_now))
+        Row(prepared).step(prompt)             # warm: compile and first-launch every shape
+        warm = Row(prepared)
+        warm.step(prompt[:4])
+        warm.step([1])
+        row = Row(prepared)
+        prefill = _timed(lambda: row.step(prompt))
+        token = int(row.step([7]).argmax())
+
+        def step(token):
+            return int(row.step([token]).argmax())
+    start = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        token = step(token)
+    return {"prefill": 128 / prefill, "decode": DECODE_STEPS / (time.perf_counter() - start)}
+
+
+def side_by_side(kinds, rounds):
+    if peer_module() is None:
+        sys.exit("llama-cpp-python is not installed: run `make bench-peers` first")
+    paths = {kind: peer_file(kind) for kind in kinds}
+    best = {}
+    for _ in range(rounds):
+        for kind in kinds:
+            for engine in ("loom", "llama.cpp"):     # alternating fresh processes
+                out = subprocess.run([sys.executable, __file__, "--measure", engine, paths[kind]], check=True,
+                                     capture_output=True, text=True).stdout
+                got = json.loads(out.strip().splitlines()[-1])
+                mine = best.setdefault((kind, engine), got)
+                best[(kind, engine)] = {k: max(mine[k], got[k]) for k in got}
+    print(f"device: {Device().describe()}")
+    print(f"llama.cpp: llama-cpp-python {peer_module().__version__}, 2 threads; best of {rounds} alternating "
+          f"fresh processes each\n")
+    print(f"{'file':10} {'llama.cpp pp128':>16} {'Loom pp128':>11} {'ratio':>6} {'llama.cpp decode':>17} "
+          f"{'Loom decode':>12} {'ratio':>6}")
+    for kind in kinds:
+        peer, loom = best[(kind, "llama.cpp")], best[(kind, "loom")]
+        print(f"{kind:10} {peer['prefill']:16.1f} {loom['prefill']:11.1f} {loom['prefill'] / peer['prefill']:6.2f} "
+              f"{peer['decode']:17.1f} {loom['decode']:12.1f} {loom['decode'] / peer['decode']:6.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="F16,Q8_0", help="generated 0.5B-shape files ('' for none)")
@@ -275,14 +411,23 @@ def main():
     ap.add_argument("--device", default=None)
     ap.add_argument("--int8", action="store_true",
                     help="the package's int8_activations option (Q8_0/Q4_0: int8 activations at every T)")
+    ap.add_argument("--peer", action="store_true", help="llama.cpp beside Loom on the same files (make bench-peers)")
+    ap.add_argument("--peer-files", default="F16,Q8_0,Q4_0,Q4_K_M,smollm2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--measure", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.measure:
+        print(json.dumps(measure(*args.measure)))
+        return
+    if args.peer:
+        side_by_side(args.peer_files.split(","), args.rounds)
+        return
     device = Device(args.device)
     compiler = Compiler(device, run_now)
     bw = bandwidth()
     rows = [int(r) for r in args.rows.split(",") if r]
     print(f"device: {device.describe()}")
     print(f"numpy DRAM read bandwidth, same run: {bw:.1f} GB/s\n")
-    print(f"{'weights':8} {'GB':>6} {'prefill 128 tok/s':>18} {'decode tok/s':>13} {'decode bound':>13} {'of bound':>9}")
     files = [(dtype, checkpoint(dtype)) for dtype in args.dtypes.split(",") if dtype]
     for path in args.gguf:
         if path == "smollm2":
@@ -290,6 +435,8 @@ def main():
             path = demo.smollm2_file()
         files.append((os.path.basename(path).removesuffix(".gguf"), path))
         print(f"{files[-1][0][:8]}: {path}")
+    print()
+    print(f"{'weights':8} {'GB':>6} {'prefill 128 tok/s':>18} {'decode tok/s':>13} {'decode bound':>13} {'of bound':>9}")
     for label, path in files:
         prepared = runtime.prepare(f"bench-{label}", [SOURCE], path,
                                    {"pages": max(rows, default=1) * CTX // PAGE, "page_size": PAGE,
