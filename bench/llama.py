@@ -110,33 +110,67 @@ def checkpoint(dtype):
 
 
 class Row:
-    """One sequence driven step by step through `advance`."""
+    """One sequence driven step by step through `advance`, as the scheduler drives a row:
+    one plan and one set of input buffers per step size, refilled each step."""
 
     def __init__(self, prepared):
         self.prepared = prepared
         self.device = prepared.device
         max_pages = prepared.spec("MAX_PAGES")
-        self.pages = np.arange(max_pages, dtype=np.int32)
-        self.length = 0
-        self.buffers = {}
         self.vocab = prepared.spec("V")
+        self.length = 0
+        self.pages = self.device.pool.alloc(4 * max_pages, "bench", "workspace",
+                                            host=np.arange(max_pages, dtype=np.int32))
         self.logits = self.device.pool.alloc(4 * self.vocab, "bench", "workspace")
+        self.shapes = {}     # T -> (plan, buffers)
+
+    def _shape(self, n):
+        if n not in self.shapes:
+            box = {}
+            self.prepared.plan_async("advance", {"T": n, "R": 1}, lambda plan, error: box.update(plan=plan,
+                                                                                                error=error))
+            if box["error"] is not None:
+                raise box["error"]
+            fixed = {"row_of": np.zeros(n, np.int32), "last": np.array([n - 1], np.int32)}
+            bufs = {k: self.device.pool.alloc(a.nbytes, "bench", "workspace", host=a) for k, a in fixed.items()}
+            bufs.update(tokens=self.device.pool.alloc(4 * n, "bench", "workspace"),
+                        pos=self.device.pool.alloc(4 * n, "bench", "workspace"), pages=self.pages, logits=self.logits)
+            self.shapes[n] = box["plan"], bufs
+        return self.shapes[n]
 
     def step(self, ids):
         n = len(ids)
-        host = {"tokens": np.array(ids, np.int32), "pos": np.arange(self.length, self.length + n, dtype=np.int32),
-                "row_of": np.zeros(n, np.int32), "pages": self.pages, "last": np.array([n - 1], np.int32)}
-        bufs = {k: self.device.pool.alloc(a.nbytes, "bench", "workspace", host=a) for k, a in host.items()}
-        bufs["logits"] = self.logits
-        box = {}
-        self.prepared.plan_async("advance", {"T": n, "R": 1}, lambda plan, error: box.update(plan=plan, error=error))
-        if box["error"] is not None:
-            raise box["error"]
-        box["plan"].run(bufs).wait()
-        for k in host:
-            bufs[k].release()
+        plan, bufs = self._shape(n)
+        self.device.upload(bufs["tokens"], np.array(ids, np.int32))
+        self.device.upload(bufs["pos"], np.arange(self.length, self.length + n, dtype=np.int32))
+        plan.run(bufs).wait()
         self.length += n
         return self.device.download(self.logits, np.float32, self.vocab)
+
+    def release(self):
+        for _, bufs in self.shapes.values():
+            for name in ("row_of", "last", "tokens", "pos"):
+                bufs[name].release()
+        self.pages.release()
+        self.logits.release()
+        self.shapes.clear()
+
+
+def loom_figures(prepared, prompt, steps):
+    """(prefill tok/s for `prompt` on a fresh row, greedy decode tok/s over `steps` steps)."""
+    warm = Row(prepared)                  # compile and first-launch every shape used below
+    for ids in (prompt, [1]):
+        warm.step(ids)
+    warm.release()
+    row = Row(prepared)
+    prefill = _timed(lambda: row.step(prompt))
+    token = int(row.step([7]).argmax())
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = int(row.step([token]).argmax())
+    decode = (time.perf_counter() - start) / steps
+    row.release()
+    return len(prompt) / prefill, 1 / decode
 
 
 class Cohort:
@@ -360,16 +394,8 @@ def measure(engine, path):
         device = Device()
         prepared = runtime.prepare("bench", [SOURCE], path, {"pages": CTX // PAGE, "page_size": PAGE,
                                                              "context_length": CTX}, device, Compiler(device, run_now))
-        Row(prepared).step(prompt)             # warm: compile and first-launch every shape
-        warm = Row(prepared)
-        warm.step(prompt[:4])
-        warm.step([1])
-        row = Row(prepared)
-        prefill = _timed(lambda: row.step(prompt))
-        token = int(row.step([7]).argmax())
-
-        def step(token):
-            return int(row.step([token]).argmax())
+        prefill, decode = loom_figures(prepared, prompt, DECODE_STEPS)
+        return {"prefill": prefill, "decode": decode}
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         token = step(token)
@@ -447,20 +473,10 @@ def main():
             tied = prepared.params[("output", None)] is prepared.params[("embd", None)]
             weight_bytes = prepared.param_bytes() - (0 if tied else prepared.params[("embd", None)].capacity)
             prompt = list(np.random.default_rng(1).integers(0, prepared.spec("V"), 128))
-            Row(prepared).step(prompt)                     # warm: compile and first-launch every shape
-            warm = Row(prepared)
-            warm.step(prompt[:4])
-            warm.step([1])
-            row = Row(prepared)
-            prefill = _timed(lambda: row.step(prompt))
-            token = int(row.step([7]).argmax())
-            start = time.perf_counter()
-            for _ in range(args.decode):
-                token = int(row.step([token]).argmax())
-            decode = (time.perf_counter() - start) / args.decode
+            prefill, decode = loom_figures(prepared, prompt, args.decode)
             bound = bw * 1e9 / weight_bytes
-            print(f"{label[:8]:8} {weight_bytes / 1e9:6.2f} {128 / prefill:18.1f} {1 / decode:13.1f} {bound:13.1f} "
-                  f"{(1 / decode) / bound:8.0%}")
+            print(f"{label[:8]:8} {weight_bytes / 1e9:6.2f} {prefill:18.1f} {decode:13.1f} {bound:13.1f} "
+                  f"{decode / bound:8.0%}")
             if rows:
                 batched(prepared, compiler, rows, max(4, args.decode // 2), args.breakdown)
         finally:

@@ -3,13 +3,13 @@
 Serves the llama bench model (bench/llama.py's random-weight GGUF shaped like
 Qwen2.5-0.5B, with a byte-level tokenizer.json of the same vocabulary beside
 it) from a real `python -m loom` and measures over HTTP with streaming: time to
-first token for a 128-token prompt, decode tokens/s for one client, and
-aggregate tokens/s for 1, 4 and 8 concurrent clients (the whole wall, prefill of
-every prompt included), and beside it the steady decode rate: tokens streamed
-while every client was past its first token and none had finished (no prefill
-in the cohort). The package's own decode
-speed (bench/llama.py's direct loop) is measured in the same run: the
-difference is the serving overhead.
+first token for 128- and 1024-token prompts, decode tokens/s for one client,
+and aggregate tokens/s for 1, 4, 8 and 16 concurrent clients (the whole wall,
+prefill of every prompt included), and beside it the steady decode rate:
+tokens streamed while every client was past its first token and none had
+finished (no prefill in the cohort). The package's own decode speed
+(bench/llama.py's direct loop) is measured in the same run, before the server
+starts: the serving overhead is how much slower one HTTP client decodes.
 
 With --gguf PATH, a GGUF that carries its own tokenizer and chat template
 instead (`--gguf smollm2`: the default catalog's SmolLM2-135M-Instruct).
@@ -126,11 +126,46 @@ def serve(catalog):
         time.sleep(0.2)
 
 
+def count(port, prompt):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}]}
+    conn.request("POST", "/v1/chat/completions/input_tokens", json.dumps(body), {"Content-Type": "application/json"})
+    n = json.loads(conn.getresponse().read())["input_tokens"]
+    conn.close()
+    return n
+
+
+def prompt_of(port, tokens):
+    """A user message whose rendered prompt is about `tokens` tokens: a request for a long
+    answer (a real model would otherwise stop early), padded with filler text."""
+    ask = "Count from 1 to 500, one number per line. Context: "
+    filler = "The quick brown fox jumps over the lazy dog. "
+    base, per = count(port, ask), count(port, ask + filler * 10) - count(port, ask)
+    return ask + filler * max(0, round((tokens - base) * 10 / per))
+
+
+def clients_run(port, prompt, tokens, clients):
+    """`clients` concurrent streams: (aggregate tok/s over the wall, steady decode tok/s)."""
+    results, chunks = [None] * clients, [[] for _ in range(clients)]
+
+    def client(i):
+        results[i] = stream(port, prompt, tokens, chunks[i])
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return sum(r[2] for r in results) / wall, steady(chunks, results)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="Q8_0")
     ap.add_argument("--gguf", default=None, help="a GGUF with its own tokenizer ('smollm2': the default catalog's)")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--clients", default="1,4,8,16")
     args = ap.parse_args()
     if args.gguf:
         from loom import demo
@@ -139,40 +174,8 @@ def main():
     else:
         gguf, label = package_bench.checkpoint(args.dtype), f"{args.dtype} 0.5B shape"
         tokenizer_beside(gguf, package_bench.SHAPE["V"])
-    folder = os.path.dirname(gguf)
-    os.makedirs(package_bench.CACHE, exist_ok=True)
-    catalog = os.path.join(package_bench.CACHE, "text-catalog.json")
-    with open(catalog, "w") as f:
-        json.dump([{"model": "bench", "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
-                    "checkpoint": gguf, "base_directory": folder, "rows": 8, "context_length": 1024,
-                    "max_output_tokens": 512, "options": {"chat": "chatml"}}], f)
-    proc, port = serve(catalog)
-    try:
-        prompt = "The quick brown fox jumps over the lazy dog. " * 3  # about 128 tokens with the framing
-        stream(port, prompt, 4)                                        # warm: compile every shape
-        stream(port, "x", 4)
-        ttft, rest, tokens = stream(port, prompt[:-7], args.tokens)
-        print(f"model: {label}; prompt ~128 tokens; {args.tokens} tokens per request\n")
-        print(f"time to first token       {ttft * 1000:8.1f} ms")
-        print(f"decode, one client        {(tokens - 1) / rest:8.1f} tok/s")
-        for clients in (1, 4, 8):
-            results, chunks = [None] * clients, [[] for _ in range(clients)]
-
-            def client(i):
-                results[i] = stream(port, prompt, args.tokens, chunks[i])
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-            start = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - start
-            print(f"aggregate, {clients} client{'s' if clients > 1 else ' '}      "
-                  f"{sum(r[2] for r in results) / wall:8.1f} tok/s   steady decode {steady(chunks, results):6.1f} tok/s")
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    # The package alone, the same weights, no HTTP or scheduler: bench/llama.py's loop.
+    clients = [int(c) for c in args.clients.split(",")]
+    # The package alone first, the same weights, no HTTP or scheduler: bench/llama.py's loop.
     from loom import runtime
     from loom.compiler import Compiler, run_now
     from loom.device import Device
@@ -180,15 +183,41 @@ def main():
     prepared = runtime.prepare("direct", [package_bench.SOURCE], gguf, {"pages": 64, "page_size": 16,
                                                                        "context_length": 1024},
                                device, Compiler(device, run_now))
-    row = package_bench.Row(prepared)
-    row.step([1] * 8)
-    token = 1
-    start = time.perf_counter()
-    for _ in range(args.tokens):
-        token = int(row.step([token]).argmax())
-    print(f"package decode, direct    {args.tokens / (time.perf_counter() - start):8.1f} tok/s  "
-          f"(bench/llama.py's loop: the serving overhead is the gap)")
+    _, direct = package_bench.loom_figures(prepared, list(range(1, 129)), args.tokens)
     prepared.release()
+
+    folder = os.path.dirname(gguf)
+    os.makedirs(package_bench.CACHE, exist_ok=True)
+    catalog = os.path.join(package_bench.CACHE, "text-catalog.json")
+    with open(catalog, "w") as f:
+        json.dump([{"model": "bench", "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
+                    "checkpoint": gguf, "base_directory": folder, "rows": max(clients), "context_length": 2048,
+                    "max_output_tokens": 512, "options": {"chat": "chatml"}}], f)
+    proc, port = serve(catalog)
+    try:
+        short, long = prompt_of(port, 128), prompt_of(port, 1024)
+        for p in (short, long):
+            stream(port, p, 4)                                         # warm: compile every shape
+        stream(port, "x", 4)
+        print(f"device: {device.describe()}")
+        print(f"model: {label}; {args.tokens} tokens per request, temperature 0\n")
+        for p in (short, long):
+            ttft = min(stream(port, p, 1)[0] for _ in range(3))
+            print(f"time to first token, {count(port, p):4d}-token prompt  {ttft * 1000:8.1f} ms")
+        _, rest, tokens = stream(port, short, args.tokens)
+        http_decode = (tokens - 1) / rest
+        print(f"decode, one client over HTTP       {http_decode:8.1f} tok/s ({tokens} tokens)")
+        print(f"decode, the package direct         {direct:8.1f} tok/s (same weights, same run)")
+        print(f"serving overhead                   {(1 - http_decode / direct) * 100:8.1f} %")
+        base = None
+        for n in clients:
+            aggregate, steady_rate = clients_run(port, short, args.tokens, n)
+            base = base or aggregate
+            print(f"aggregate, {n:2d} client{'s' if n > 1 else ' '}               {aggregate:8.1f} tok/s "
+                  f"({aggregate / base:4.1f}x)   steady decode {steady_rate:6.1f} tok/s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 if __name__ == "__main__":
