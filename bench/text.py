@@ -29,6 +29,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import http.client  # noqa: E402
 import importlib.util  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
@@ -62,10 +63,15 @@ def tokenizer_beside(gguf_path, vocab):
     return path
 
 
+NONCE = itertools.count(1000)
+
+
 def stream(port, prompt, max_tokens, times=None):
     """(seconds to the first token, seconds for the rest, tokens generated); the
     arrival time of every content chunk appended to `times` when given."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    # A fresh number first: no request reuses another's prompt from the prefix cache.
+    prompt = f"{next(NONCE)}. {prompt}"
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -183,7 +189,8 @@ def main():
     prepared = runtime.prepare("direct", [package_bench.SOURCE], gguf, {"pages": 64, "page_size": 16,
                                                                        "context_length": 1024},
                                device, Compiler(device, run_now))
-    _, direct = package_bench.loom_figures(prepared, list(range(1, 129)), args.tokens)
+    # Best of 3, as for the HTTP figures below: the machines swing between runs.
+    direct = max(package_bench.loom_figures(prepared, list(range(1, 129)), args.tokens)[1] for _ in range(3))
     prepared.release()
 
     folder = os.path.dirname(gguf)
@@ -204,10 +211,11 @@ def main():
         for p in (short, long):
             ttft = min(stream(port, p, 1)[0] for _ in range(3))
             print(f"time to first token, {count(port, p):4d}-token prompt  {ttft * 1000:8.1f} ms")
-        _, rest, tokens = stream(port, short, args.tokens)
-        http_decode = (tokens - 1) / rest
-        print(f"decode, one client over HTTP       {http_decode:8.1f} tok/s ({tokens} tokens)")
-        print(f"decode, the package direct         {direct:8.1f} tok/s (same weights, same run)")
+        runs = [stream(port, short, args.tokens) for _ in range(3)]
+        http_decode = max((tokens - 1) / rest for _, rest, tokens in runs)
+        tokens = min(r[2] for r in runs)
+        print(f"decode, one client over HTTP       {http_decode:8.1f} tok/s (best of 3, {tokens}+ tokens)")
+        print(f"decode, the package direct         {direct:8.1f} tok/s (best of 3; same weights, same run)")
         print(f"serving overhead                   {(1 - http_decode / direct) * 100:8.1f} %")
         base = None
         for n in clients:

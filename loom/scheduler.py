@@ -301,6 +301,9 @@ class TextEngine(CohortEngine):
             self.vocab = prepared.spec("V")
             self.sampler = prepared.compiler.compile(prepared.compiler.library_source("sample"), {"V": self.vocab},
                                                      name="sample")
+            # One kernel object for every step: making one per step also made pyopencl look its
+            # argument invoker up in an on-disk cache each time. Only the submission thread uses it.
+            self.sample_kernel = prepared.device.kernel(self.sampler.program, "sample")
         else:
             self.out_bytes = prepared.spec("SEQUENCE_BYTES")
 
@@ -804,7 +807,7 @@ class TextEngine(CohortEngine):
         except BaseException:
             release()
             raise
-        kernel = device.kernel(self.sampler.program, "sample")
+        kernel = self.sample_kernel
         kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
                         extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
         device.launch(kernel, (R,), (1,))   # a row per work-group: rows spread over cores
