@@ -59,7 +59,7 @@ BUILTINS = {
     "int": 1, "float": 1, "sqrt": 1,
 }
 
-# Visible to specs: the checkpoint format ("gguf" or "safetensors") and the
+# Visible to specs: the checkpoint format ("gguf", "safetensors" or "ctranslate2") and the
 # device's driver family ("pocl", "intel", "nvidia", ...: device.driver_family).
 SPEC_PREDEFINED = ("format", "driver")
 

@@ -1,9 +1,10 @@
-"""Checkpoint readers: GGUF and safetensors, memory-mapped and validated.
+"""Checkpoint readers: GGUF, safetensors and CTranslate2, memory-mapped and validated.
 
 ``open_checkpoint(path)`` takes a ``.gguf`` file, a ``.safetensors`` file, a
-sharded ``model.safetensors.index.json``, or a directory holding exactly one of
-those, and returns a ``Checkpoint``: metadata, a table of ``TensorInfo`` in
-file order, and zero-copy access to every tensor's bytes.
+sharded ``model.safetensors.index.json``, a CTranslate2 ``model.bin``, or a
+directory holding exactly one of those, and returns a ``Checkpoint``:
+metadata, a table of ``TensorInfo`` in file order, and zero-copy access to
+every tensor's bytes.
 
 Checkpoint files are untrusted input. Every header is parsed through a cursor
 that checks each read against the file size first, and every count or length
@@ -12,7 +13,8 @@ allocated or looped over, so a lying file is rejected in time proportional to
 what it actually contains. Every problem is a ``WeightsError`` whose message
 names the file and says what was expected where.
 
-Tensor dtypes: F32, F16, BF16 (GGUF and safetensors) and ggml's block formats
+Tensor dtypes: F32, F16, BF16 (every format), I8/I16/I32 (safetensors and
+CTranslate2 buffers, never weights by default) and ggml's block formats
 (GGUF): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (32 values a block), and the K-quants
 Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-value superblocks of 16- or 32-value
 sub-blocks with their own quantized scales), the types llama.cpp writes for
@@ -676,13 +678,100 @@ def _read_safetensors(path: str, index: bool) -> Checkpoint:
 
 # --- The uniform interface ----------------------------------------------------
 
+# --- CTranslate2 --------------------------------------------------------------
+# model.bin, binary versions 4 to 6: the version, the spec's name and revision, then
+# each variable back to back (name, rank, dims, dtype id, byte count, bytes), then
+# aliases (a name for another variable's bytes, e.g. Whisper's tied output projection).
+# Strings are a uint16 length, then that many bytes ending in NUL. No magic, no padding.
+
+_CT2_DTYPES = {0: "F32", 1: "I8", 2: "I16", 3: "I32", 4: "F16", 5: "BF16"}
+_CT2_ITEM = {"F32": 4, "I8": 1, "I16": 2, "I32": 4, "F16": 2, "BF16": 2}
+_CT2_MAX_RANK = 8
+_CT2_MIN_VARIABLE = 2 + 1 + 1 + 4       # name length, rank, dtype, byte count
+
+
+def _ct2_string(cur: _Cursor, what: str) -> str:
+    (n,) = cur.unpack("<H", f"length of {what}")
+    cur.need(n, what)
+    raw, cur.pos = cur.buf[cur.pos:cur.pos + n], cur.pos + n
+    if not raw.endswith(b"\0"):
+        raise _fail(cur.path, f"{what} does not end in NUL")
+    try:
+        return raw[:-1].decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail(cur.path, f"{what} is not valid UTF-8") from None
+
+
+def _read_ctranslate2(path: str) -> Checkpoint:
+    buf = _map_file(path, 4, "a CTranslate2 header")
+    try:
+        cur = _Cursor(path, buf)
+        (version,) = cur.unpack("<I", "binary version")
+        if not 4 <= version <= 6:
+            raise _fail(path, f"CTranslate2 binary version {version} is not supported; Loom reads versions 4 to 6")
+        spec = _ct2_string(cur, "spec name")
+        (revision, count) = cur.unpack("<II", "spec revision and variable count")
+        cur.need(count * _CT2_MIN_VARIABLE, f"{count} variables")
+        tensors = {}
+        for i in range(count):
+            name = _ct2_string(cur, f"name of variable {i}")
+            (rank,) = cur.unpack("<B", f"rank of {name!r}")
+            if rank > _CT2_MAX_RANK:
+                raise _fail(path, f"variable {name!r} has rank {rank}; at most {_CT2_MAX_RANK} is supported")
+            dims = cur.unpack(f"<{rank}I", f"dimensions of {name!r}")
+            type_id, nbytes = cur.unpack("<BI", f"dtype and size of {name!r}")
+            dtype = _CT2_DTYPES.get(type_id)
+            if dtype is None:
+                raise _fail(path, f"variable {name!r} has dtype id {type_id}, which Loom does not read "
+                                  f"(int8-quantized weights carry a scale; supported: "
+                                  f"{', '.join(_CT2_DTYPES.values())})")
+            want = _CT2_ITEM[dtype]
+            for d in dims:
+                want *= d
+            if nbytes != want:
+                raise _fail(path, f"variable {name!r} ({dtype} {list(dims)}) states {nbytes} bytes; "
+                                  f"its shape needs {want}")
+            if name in tensors:
+                raise _fail(path, f"duplicate variable name {name!r}")
+            cur.need(nbytes, f"data of {name!r}")
+            tensors[name] = TensorInfo(name, dtype, tuple(dims), cur.pos, nbytes, path)
+            cur.pos += nbytes
+        aliases = {}
+        (n_aliases,) = cur.unpack("<I", "alias count")
+        cur.need(n_aliases * 4, f"{n_aliases} aliases")
+        for i in range(n_aliases):
+            alias, target = _ct2_string(cur, f"alias {i}"), _ct2_string(cur, f"target of alias {i}")
+            if alias in tensors or alias in aliases:
+                raise _fail(path, f"alias {alias!r} names an existing variable")
+            if target not in tensors:
+                raise _fail(path, f"alias {alias!r} refers to {target!r}, which is not a variable")
+            aliases[alias] = target
+        if cur.pos != len(buf):
+            raise _fail(path, f"{len(buf) - cur.pos} bytes follow the last alias (at byte {cur.pos})")
+        _check_layout(path, list(tensors.values()), len(buf))
+        for alias, target in aliases.items():    # the same bytes under a second name
+            t = tensors[target]
+            tensors[alias] = TensorInfo(alias, t.dtype, t.shape, t.offset, t.nbytes, path)
+        metadata = {"binary_version": version, "spec": spec, "spec_revision": revision, "aliases": aliases}
+        config = os.path.join(os.path.dirname(path), "config.json")
+        if os.path.isfile(config):
+            metadata["config"] = _read_json_file(config, "config.json")
+    except BaseException:
+        _release(buf)
+        raise
+    return Checkpoint("ctranslate2", metadata, tensors, {path: buf})
+
+
 class Checkpoint:
     """An open checkpoint.
 
-    ``format``: "gguf" or "safetensors". ``metadata``: GGUF key/values as Python
+    ``format``: "gguf", "safetensors" or "ctranslate2". ``metadata``: GGUF key/values as Python
     values (arrays as lists); for safetensors ``{"__metadata__": {...}}`` (shards'
     maps merged, which must agree), ``"index"``: the index's own ``metadata`` when
-    sharded, and ``"config"``: a ``config.json`` beside the files when there is one.
+    sharded, and ``"config"``: a ``config.json`` beside the files when there is one;
+    for CTranslate2 the binary version, spec name and revision, ``"aliases"``
+    (alias -> variable; each alias is also a tensor sharing its target's bytes) and
+    ``"config"``.
     ``tensors``: name -> TensorInfo in file order (GGUF: tensor-info order;
     safetensors: data order, shards in the order the index first names them).
 
@@ -745,24 +834,29 @@ class Checkpoint:
 
 
 def open_checkpoint(path) -> Checkpoint:
-    """Open a .gguf, a .safetensors, a safetensors index .json, or a directory with exactly one of them."""
+    """Open a .gguf, a .safetensors, a safetensors index .json, a CTranslate2 model.bin,
+    or a directory with exactly one of them."""
     path = os.fspath(path)
     if os.path.isdir(path):
         entries = sorted(os.listdir(path))
-        found = [e for e in entries if e in ("model.safetensors", "model.safetensors.index.json")]
+        found = [e for e in entries if e in ("model.safetensors", "model.safetensors.index.json", "model.bin")]
         found += [e for e in entries if e.lower().endswith(".gguf")]
         if len(found) != 1:
             raise _fail(path, f"a checkpoint directory must hold exactly one of model.safetensors, "
-                              f"model.safetensors.index.json or a single .gguf file; found {found or 'none'}")
+                              f"model.safetensors.index.json, model.bin or a single .gguf file; "
+                              f"found {found or 'none'}")
         path = os.path.join(path, found[0])
     lower = path.lower()
     if lower.endswith(".gguf"):
         return _read_gguf(path)
+    if lower.endswith(".bin"):
+        return _read_ctranslate2(path)
     if lower.endswith(".safetensors"):
         return _read_safetensors(path, index=False)
     if lower.endswith(".json"):
         return _read_safetensors(path, index=True)
-    raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors or .json index file, or a directory")
+    raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors, .json index or CTranslate2 .bin file, "
+                      "or a directory")
 
 
 def write_safetensors(path, tensors, metadata=None) -> None:

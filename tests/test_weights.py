@@ -881,7 +881,11 @@ def test_checkpoint_directory_rules(tmp_path):
     with open_checkpoint(tmp_path) as ck:
         assert ck.format == "safetensors"
     with pytest.raises(WeightsError, match="not a checkpoint"):
-        open_checkpoint(tmp_path / "weights.bin")
+        open_checkpoint(tmp_path / "weights.pt")
+    (tmp_path / "model.bin").write_bytes(SMALL_CT2)      # a CTranslate2 model beside it: ambiguous
+    with pytest.raises(WeightsError, match=r"found \['model.bin', 'model.safetensors'\]"):
+        open_checkpoint(tmp_path)
+    (tmp_path / "model.bin").unlink()
     with pytest.raises(WeightsError, match="cannot read"):
         open_checkpoint(tmp_path / "absent.gguf")
     os.mkdir(tmp_path / "dir.gguf")
@@ -1006,3 +1010,95 @@ def test_safetensors_integer_buffers_are_readable(tmp_path):
         assert ckpt.tensors["position_ids"].dtype == "I64"
         np.testing.assert_array_equal(ckpt.array("position_ids"), ids)
         np.testing.assert_array_equal(ckpt.dequantize("b"), np.arange(3, dtype=np.float32))
+
+
+# --- CTranslate2 model.bin ----------------------------------------------------------
+
+CT2_TYPES = {np.float32: 0, np.int8: 1, np.int16: 2, np.int32: 3, np.float16: 4}
+
+
+def ct2_string(text, nul=True):
+    raw = text.encode() + (b"\0" if nul else b"")
+    return struct.pack("<H", len(raw)) + raw
+
+
+def ct2_variable(name, array, type_id=None, nbytes=None, rank=None):
+    dims = array.shape
+    return (ct2_string(name) + struct.pack("<B", len(dims) if rank is None else rank)
+            + struct.pack(f"<{len(dims)}I", *dims)
+            + struct.pack("<BI", CT2_TYPES[array.dtype.type] if type_id is None else type_id,
+                          array.nbytes if nbytes is None else nbytes) + array.tobytes())
+
+
+def ct2_bytes(variables, aliases=(), version=6, count=None, tail=b""):
+    """A model.bin as CTranslate2's converter writes it (spec WhisperSpec, revision 3);
+    `variables` are already-encoded entries (ct2_variable) so tests can make them lie."""
+    out = struct.pack("<I", version) + ct2_string("WhisperSpec") + struct.pack("<II", 3, len(variables)
+                                                                              if count is None else count)
+    out += b"".join(variables) + struct.pack("<I", len(aliases))
+    return out + b"".join(ct2_string(a) + ct2_string(t) for a, t in aliases) + tail
+
+
+CT2_ARRAYS = {"decoder/embeddings/weight": np.arange(12, dtype=np.float16).reshape(4, 3) / 8,
+              "encoder/conv1/weight": np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4),
+              "decoder/alignment_heads": np.array(1, np.int16),
+              "decoder/activation": np.array(3, np.int8),
+              "suppress": np.array([7, -2, 50000], np.int32)}
+SMALL_CT2 = ct2_bytes([ct2_variable(n, a) for n, a in CT2_ARRAYS.items()],
+                      aliases=[("decoder/projection/weight", "decoder/embeddings/weight")])
+
+
+def test_ctranslate2_round_trip_with_alias_and_config(tmp_path):
+    (tmp_path / "model.bin").write_bytes(SMALL_CT2)
+    (tmp_path / "config.json").write_text('{"suppress_ids": [1, 2]}')
+    with open_checkpoint(tmp_path) as ck:     # the directory form
+        assert ck.format == "ctranslate2"
+        assert ck.metadata["spec"] == "WhisperSpec" and ck.metadata["binary_version"] == 6
+        assert ck.metadata["config"] == {"suppress_ids": [1, 2]}
+        assert list(ck.tensors)[:len(CT2_ARRAYS)] == list(CT2_ARRAYS)
+        for name, array in CT2_ARRAYS.items():
+            got = ck.array(name)
+            assert got.dtype == array.dtype and got.shape == array.shape
+            np.testing.assert_array_equal(got, array)
+        tied, table = ck.tensors["decoder/projection/weight"], ck.tensors["decoder/embeddings/weight"]
+        assert (tied.offset, tied.nbytes, tied.shape) == (table.offset, table.nbytes, table.shape)
+        np.testing.assert_array_equal(ck.dequantize("decoder/projection/weight"),
+                                      CT2_ARRAYS["decoder/embeddings/weight"].astype(np.float32))
+
+
+def test_ctranslate2_every_truncation_rejects(tmp_path):
+    path = tmp_path / "model.bin"
+    for cut in range(len(SMALL_CT2)):
+        path.write_bytes(SMALL_CT2[:cut])
+        with pytest.raises(WeightsError):
+            open_checkpoint(path)
+
+
+ONE = ct2_variable("w", np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("data,match", [
+    (ct2_bytes([ONE], version=3), "binary version 3 is not supported"),
+    (ct2_bytes([ONE], version=7), "binary version 7 is not supported"),
+    (ct2_bytes([ct2_variable("w", np.zeros(2, np.float32), nbytes=4)]), r"states 4 bytes; its shape needs 8"),
+    (ct2_bytes([ct2_variable("w", np.zeros(2, np.float32), nbytes=2**32 - 1)]), "states 4294967295 bytes"),
+    (ct2_bytes([ct2_variable("w", np.zeros(2, np.int8), type_id=9)]), "dtype id 9, which Loom does not read"),
+    (ct2_bytes([ct2_variable("w", np.zeros((1,) * 9, np.int8))]), "rank 9"),
+    (ct2_bytes([ONE, ONE]), "duplicate variable name 'w'"),
+    (ct2_bytes([ONE], aliases=[("out", "missing")]), "refers to 'missing', which is not a variable"),
+    (ct2_bytes([ONE], aliases=[("w", "w")]), "names an existing variable"),
+    (ct2_bytes([ONE], tail=b"\0\0"), "2 bytes follow the last alias"),
+    (ct2_bytes([ONE], count=2**32 - 1), "4294967295 variables needs bytes"),
+    (struct.pack("<I", 6) + ct2_string("WhisperSpec", nul=False) + struct.pack("<II", 3, 0) + bytes(4),
+     "spec name does not end in NUL"),
+    (struct.pack("<I", 6) + struct.pack("<H", 2) + b"\xff\0" + struct.pack("<II", 3, 0) + bytes(4),
+     "spec name is not valid UTF-8"),
+])
+def test_ctranslate2_lying_files_reject_with_a_diagnostic(tmp_path, data, match):
+    rejects(tmp_path, data, match, name="model.bin")
+
+
+@FUZZ
+@given(data=mutated(SMALL_CT2))
+def test_fuzz_ctranslate2(fuzz_dir, data):
+    open_or_reject(fuzz_dir, "model.bin", data)
