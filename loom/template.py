@@ -199,14 +199,9 @@ class _Parser:
             value = e.whole()
             return ("set", target, attr, value)
         if word == "macro":
-            name, params = e.name(), []
+            name = e.name()
             e.expect("(")
-            while not e.accept(")"):
-                param = e.name()
-                params.append((param, e.test_expr() if e.accept("=") else None))
-                if not e.accept(","):
-                    e.expect(")")
-                    break
+            params = e.separated(")", lambda: (e.name(), e.test_expr() if e.accept("=") else None))
             e.done()
             nodes, _, rest = self.body(_END["macro"], depth + 1)
             rest.done()
@@ -370,31 +365,11 @@ class _Expr:
             if not self.accept(","):
                 self.expect(")")
                 return first
-            items = [first]
-            while not self.accept(")"):
-                items.append(self.test_expr())
-                if not self.accept(","):
-                    self.expect(")")
-                    break
-            return ("tuple", items)
+            return ("tuple", [first] + self.separated(")", self.test_expr))
         if v == "[":
-            items = []
-            while not self.accept("]"):
-                items.append(self.test_expr())
-                if not self.accept(","):
-                    self.expect("]")
-                    break
-            return ("list", items)
+            return ("list", self.separated("]", self.test_expr))
         if v == "{":
-            pairs = []
-            while not self.accept("}"):
-                key = self.test_expr()
-                self.expect(":")
-                pairs.append((key, self.test_expr()))
-                if not self.accept(","):
-                    self.expect("}")
-                    break
-            return ("dict", pairs)
+            return ("dict", self.separated("}", self.pair))
         self.i -= 1
         raise self.error("expected a value")
 
@@ -435,19 +410,32 @@ class _Expr:
             raise self.error("a slice has at most three parts")
         return ("slice", parts + [None] * (3 - len(parts)))
 
-    def arguments(self):
-        args, kwargs = [], []
-        while not self.accept(")"):
-            kind, v = self.peek()
-            if kind == "name" and self.i + 1 < len(self.tokens) and self.tokens[self.i + 1][1] == "=":
-                self.i += 2
-                kwargs.append((v, self.test_expr()))
-            else:
-                args.append(self.test_expr())
+    def separated(self, close, item):
+        """item() repeated, comma-separated (a trailing comma allowed), through `close` -> [items]."""
+        items = []
+        while not self.accept(close):
+            items.append(item())
             if not self.accept(","):
-                self.expect(")")
+                self.expect(close)
                 break
-        return args, kwargs
+        return items
+
+    def pair(self):
+        key = self.test_expr()
+        self.expect(":")
+        return key, self.test_expr()
+
+    def argument(self):
+        """One call argument: (None, value) or (keyword, value)."""
+        kind, v = self.peek()
+        if kind == "name" and self.i + 1 < len(self.tokens) and self.tokens[self.i + 1][1] == "=":
+            self.i += 2
+            return v, self.test_expr()
+        return None, self.test_expr()
+
+    def arguments(self):
+        given = self.separated(")", self.argument)
+        return [v for k, v in given if k is None], [(k, v) for k, v in given if k is not None]
 
     def filters(self, node):
         while True:

@@ -826,8 +826,8 @@ class ChatEngine(TextEngine):
         prepared = reg.prepared
         tok = prepared.tokenizer
         template = tok.chat_template if tok is not None else None
-        special = tuple(tok.id_to_token(i) if tok is not None and i is not None else ""
-                        for i in ((tok.bos_id, tok.eos_id) if tok is not None else (None, None)))
+        special = ("", "") if tok is None else \
+            tuple("" if i is None else tok.id_to_token(i) for i in (tok.bos_id, tok.eos_id))
         try:
             self.chat = ChatPolicy(prepared.policy, template, (reg.doc.get("options") or {}).get("chat"), special)
         except ValueError as e:

@@ -17,15 +17,19 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
+# A system turn, a question, the assistant's tool call and the tool's result.
+ROUND_TRIP = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C, clear"},
+]
+
+
 def test_chatml_framing_with_tools_and_a_tool_round_trip():
     policy = ChatPolicy(POLICY, choice="chatml")
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C, clear"},
-    ]
+    messages = ROUND_TRIP
     text = policy.render(messages, tools=[WEATHER], enable_thinking=False)
     tools_block = ('{"type": "function", "function": {"name": "get_weather", "description": "Current weather", '
                    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}')
@@ -89,13 +93,7 @@ def test_the_checkpoint_template_frames_the_chat_with_its_default_system_message
 def test_a_template_without_tools_gets_the_packages_tool_grammar():
     policy = ChatPolicy(POLICY, chat_template=SMOLLM2, choice="chatml")
     roles = ChatPolicy(POLICY, choice="chatml")
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C, clear"},
-    ]
+    messages = ROUND_TRIP
     # Same text as the package's own ChatML roles: preamble in the system turn, the call in the
     # package's grammar, the result as a <tool_response> user turn.
     assert policy.render(messages, tools=[WEATHER], enable_thinking=False) == \
