@@ -6,10 +6,11 @@ Both are test-only dependencies; ``available()`` says whether they are installed
 and ``synthesize`` raises ImportError naming the missing one otherwise (tests call
 ``pytest.importorskip`` or skip on it).
 
-Piper's VITS generator draws random noise, so the same text sounds slightly
-different each time: the first synthesis of a text is cached under
-~/.cache/loom/tests/speech/ (keyed by text, voice file and Piper version), and
-every later run hears the same samples.
+Piper's VITS generator draws random noise (phoneme durations and the waveform),
+so by default the same text sounds slightly different each time; with both noise
+scales at zero (SYNTHESIS) it is deterministic, and clear. The first synthesis of
+a text is cached under ~/.cache/loom/tests/speech/ (keyed by text, voice file,
+settings and Piper version), so later runs skip synthesis.
 
 Container helpers (``wav_bytes``, ``flac_bytes``, ``mp3_bytes``, ``pcm_bytes``)
 encode through soundfile; ``resample`` is a test-only band-limited (FFT) rate
@@ -40,6 +41,7 @@ SENTENCES = [
     "If you listen carefully, you can hear the birds singing in the garden before sunrise.",
 ]
 
+SYNTHESIS = {"noise_scale": 0.0, "noise_w_scale": 0.0}
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "loom", "tests", "speech")
 _voice = None
 _lock = threading.Lock()
@@ -66,7 +68,8 @@ def _piper_version():
 
 def _cache_path(text):
     onnx, _ = voice_files()
-    key = "\0".join([text, os.path.basename(onnx), str(os.path.getsize(onnx)), _piper_version()])
+    key = "\0".join([text, os.path.basename(onnx), str(os.path.getsize(onnx)), repr(sorted(SYNTHESIS.items())),
+                     _piper_version()])
     return os.path.join(CACHE, hashlib.sha256(key.encode()).hexdigest()[:24] + ".npy")
 
 
@@ -81,7 +84,8 @@ def synthesize(text: str):
             from piper import PiperVoice
             onnx, config = voice_files()
             _voice = PiperVoice.load(onnx, config_path=config)
-        chunks = list(_voice.synthesize(text))
+        from piper.config import SynthesisConfig
+        chunks = list(_voice.synthesize(text, syn_config=SynthesisConfig(**SYNTHESIS)))
     assert all(c.sample_rate == RATE and c.sample_channels == 1 for c in chunks)
     samples = np.concatenate([c.audio_float_array for c in chunks]).astype(np.float32)
     os.makedirs(CACHE, exist_ok=True)
