@@ -38,6 +38,9 @@ STATUS = {
     "device_memory": 503,
     "step_timeout": 503,
     "device_limit": 500,      # the package cannot run this geometry on this device
+    # audio: uploaded recordings
+    "unsupported_audio": 415, "audio_codec_disabled": 415, "invalid_audio": 400, "invalid_pcm_geometry": 400,
+    "channel_mismatch": 400, "audio_too_long": 400, "resample_budget": 400,
 }
 
 
