@@ -65,15 +65,15 @@ def _accepted(codecs):
 
 # Containers we recognise only to refuse them by name.
 _REFUSED = [
-    (0, b"\x1aE\xdf\xa3", "WebM/Matroska (e.g. WebM/Opus)"),
-    (0, b"FORM", "AIFF"),
-    (0, b"caff", "Core Audio (CAF)"),
-    (0, b".snd", "Sun/NeXT AU"),
-    (0, b"#!AMR", "AMR"),
-    (0, b"wvpk", "WavPack"),
-    (0, b"MAC ", "Monkey's Audio"),
-    (0, b"\x30\x26\xb2\x75\x8e\x66\xcf\x11", "ASF/WMA"),
-    (0, b"MThd", "MIDI"),
+    (b"\x1aE\xdf\xa3", "WebM/Matroska (e.g. WebM/Opus)"),
+    (b"FORM", "AIFF"),
+    (b"caff", "Core Audio (CAF)"),
+    (b".snd", "Sun/NeXT AU"),
+    (b"#!AMR", "AMR"),
+    (b"wvpk", "WavPack"),
+    (b"MAC ", "Monkey's Audio"),
+    (b"\x30\x26\xb2\x75\x8e\x66\xcf\x11", "ASF/WMA"),
+    (b"MThd", "MIDI"),
 ]
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide")
 _OGG_STREAMS = [(b"OpusHead", "Ogg/Opus"), (b"\x01vorbis", "Ogg/Vorbis"), (b"\x7fFLAC", "Ogg/FLAC"),
@@ -96,44 +96,44 @@ def _mpeg_frame(head: bytes) -> bool:
     return version != 1 and layer != 0 and bitrate != 15 and rate != 3 and emphasis != 2
 
 
-def _id3_end(data: bytes) -> int:
-    """Where the audio after an ID3v2 tag starts, or 0 if data does not start with one."""
-    if len(data) < 10 or data[:3] != b"ID3" or data[3] == 0xFF or data[4] == 0xFF:
+def _id3_end(head: bytes) -> int:
+    """Where the audio after an ID3v2 tag starts, or 0 if the file does not start with one."""
+    if len(head) < 10 or head[:3] != b"ID3" or head[3] == 0xFF or head[4] == 0xFF:
         return 0
-    if any(b & 0x80 for b in data[6:10]):  # the size is "syncsafe": 7 bits a byte
+    if any(b & 0x80 for b in head[6:10]):  # the size is "syncsafe": 7 bits a byte
         return 0
-    size = (data[6] << 21) | (data[7] << 14) | (data[8] << 7) | data[9]
-    return 10 + size + (10 if data[5] & 0x10 else 0)  # the footer flag adds a copy of the header
+    size = (head[6] << 21) | (head[7] << 14) | (head[8] << 7) | head[9]
+    return 10 + size + (10 if head[5] & 0x10 else 0)  # the footer flag adds a copy of the header
 
 
-def _sniff(data: bytes, codecs) -> str:
-    if not data:
+def _sniff(data, codecs) -> str:
+    head = bytes(data[:64])
+    if not head:
         raise AudioError(f"the file is empty: send a recording in {_accepted(codecs)}", "unsupported_audio")
-    if data[:4] in (b"RIFF", b"RIFX", b"RF64") and data[8:12] == b"WAVE":
+    if head[:4] in (b"RIFF", b"RIFX", b"RF64") and head[8:12] == b"WAVE":
         return "wav"
-    if data[:4] == b"fLaC":
+    if head[:4] == b"fLaC":
         return "flac"
-    start = _id3_end(data)
+    start = _id3_end(head)
     if start:
         # MP3 files usually carry an ID3v2 tag; FLAC files occasionally do.
-        return "flac" if data[start:start + 4] == b"fLaC" else "mp3"
-    if len(data) >= 2 and data[0] == 0xFF and data[1] & 0xF6 == 0xF0:
+        return "flac" if bytes(data[start:start + 4]) == b"fLaC" else "mp3"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:
         raise _refused("AAC (ADTS)", codecs)
-    if _mpeg_frame(data[:4]):
+    if _mpeg_frame(head[:4]):
         return "mp3"
-    if data[:4] == b"OggS":
-        stream = next((name for magic, name in _OGG_STREAMS if data[28:28 + len(magic)] == magic), "Ogg")
+    if head[:4] == b"OggS":
+        stream = next((name for magic, name in _OGG_STREAMS if head[28:28 + len(magic)] == magic), "Ogg")
         raise _refused(stream, codecs)
-    if data[4:8] in _MP4_BOXES:
-        brand = data[8:12].decode("latin-1") if data[4:8] == b"ftyp" else ""
+    if head[4:8] in _MP4_BOXES:
+        brand = head[8:12].decode("latin-1") if head[4:8] == b"ftyp" else ""
         raise _refused(f"MP4/M4A/AAC (brand {brand!r})" if brand.strip() else "MP4/QuickTime", codecs)
-    if data[:4] == b"RIFF":
-        raise _refused(f"RIFF {data[8:12].decode('latin-1')!r} (not WAVE)", codecs)
-    for offset, magic, name in _REFUSED:
-        if data[offset:offset + len(magic)] == magic:
+    if head[:4] == b"RIFF":
+        raise _refused(f"RIFF {head[8:12].decode('latin-1')!r} (not WAVE)", codecs)
+    for magic, name in _REFUSED:
+        if head.startswith(magic):
             raise _refused(name, codecs)
-    head = data[:8].hex(" ")
-    raise AudioError(f"the file is not a recording in a known format (it starts with bytes {head}): "
+    raise AudioError(f"the file is not a recording in a known format (it starts with bytes {head[:8].hex(' ')}): "
                      f"send {_accepted(codecs)}", "unsupported_audio")
 
 
@@ -257,7 +257,7 @@ class _Plan:
         self.windows = [int(starts[u1 - 1] - starts[u0]) + self.taps for u0, u1 in self.bands]
         self.starts = [int(starts[u0]) for u0, _ in self.bands]
         self.reach = max(s + w for s, w in zip(self.starts, self.windows))
-        self.coefficients = sum(w * (u1 - u0) for w, (u0, u1) in zip(self.windows, self.bands))
+        self.coefficients = int(sum(w * (u1 - u0) for w, (u0, u1) in zip(self.windows, self.bands)))
         self._matrices = None
 
     def matrices(self):
@@ -266,12 +266,13 @@ class _Plan:
             table = _phase_table(self.up, self.down, self.half)
             u = np.arange(self.width, dtype=np.int64)
             starts, phases = u * self.down // self.up, u * self.down % self.up
-            self._matrices = []
+            matrices = []
             for (u0, u1), s0, w in zip(self.bands, self.starts, self.windows):
                 m = np.zeros((u1 - u0, w), np.float32)
                 rows = np.arange(u1 - u0)[:, None]
                 m[rows, (starts[u0:u1] - s0)[:, None] + np.arange(self.taps)] = table[phases[u0:u1]]
-                self._matrices.append(np.ascontiguousarray(m.T))
+                matrices.append(np.ascontiguousarray(m.T))
+            self._matrices = matrices  # published whole: plans are shared by worker threads
         return self._matrices
 
 
@@ -288,7 +289,7 @@ def _phase_table(up, down, half):
     return table / table.sum(axis=1, keepdims=True)
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=8)  # a server meets a handful of ratios; each plan is at most `budget` floats
 def _plan(up, down):
     return _Plan(up, down)
 
@@ -299,11 +300,13 @@ class Resampler:
     The ratio reduces to up/down (by their gcd). Every ratio gets the same filter
     quality: a Kaiser-windowed sinc (STOPBAND_DB down from min(in, out) / 2, passband
     flat to (1 - TRANSITION) of it), 2 * filter_half(up, down) taps long, so the filter
-    grows with the downsampling factor. Budget rule: the coefficients stored for the
-    ratio (about 2 * block * up * taps; 564 Ki for 11025 <-> 16000, the largest among the
-    common rates) and the history (channels x samples kept between products) must each
-    fit in `budget`, or construction raises AudioError "resample_budget". Quality is never
-    traded for size: 16001 -> 16000 needs up = 16000 phases and is refused.
+    grows with the downsampling factor. Budget rule: the coefficients the ratio stores
+    (`coefficients`: every output position of a row of periods with its window, at most
+    about 2 * block * up * taps; 510284 for 22050 -> 192000, the largest among the common
+    rates to and from 16000, 22050 and 24000 Hz) and the history (`history`: channels x
+    samples kept between products) must each fit in `budget`, or construction raises
+    AudioError "resample_budget". Quality is never traded for size: 16001 -> 16000 has
+    16000 phases, 1.6 M coefficients, and is refused.
 
     Outputs are computed in fixed groups of inputs, on an aligned buffer, with the same
     matrix shapes every time, so each output's arithmetic is the same however the input

@@ -4,7 +4,7 @@ Every error body is {"error": {"message", "type", "param", "code"}} (DESIGN.md
 "Errors"). Two classes carry it:
 
 - Problem(message, code, param): what a lower layer raises (jsonin, packages,
-  chat, scheduler, kvcache, runtime, device). It knows no HTTP: a stable code
+  chat, scheduler, kvcache, runtime, device, audio). It knows no HTTP: a stable code
   says what went wrong, param which input was at fault.
 - Error(status, message, code, param, headers): a service handler's rejection,
   with the status it decides. A Problem that reaches the service boundary
