@@ -277,8 +277,9 @@ class _Plan:
 
 
 def _phase_table(up, down, half):
-    """The up x taps windowed-sinc table: row p weighs the window of an output p/up of an
-    input sample past its start sample, oldest sample first. Each row sums to 1 (unit DC gain)."""
+    """The up x taps windowed-sinc table. Row p weighs the 2 * half input samples around an
+    output that falls p/up of a sample after an input sample, oldest first; each row sums
+    to 1, so every phase passes DC unchanged."""
     r = min(1.0, up / down)
     cutoff = (1 - TRANSITION / 2) * r  # the -6 dB point, relative to the input's Nyquist frequency
     t = np.arange(2 * half, dtype=np.float64)
