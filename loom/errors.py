@@ -4,7 +4,7 @@ Every error body is {"error": {"message", "type", "param", "code"}} (DESIGN.md
 "Errors"). Two classes carry it:
 
 - Problem(message, code, param): what a lower layer raises (jsonin, packages,
-  chat, scheduler, kvcache, runtime, device). It knows no HTTP: a stable code
+  chat, scheduler, kvcache, runtime, device, audio). It knows no HTTP: a stable code
   says what went wrong, param which input was at fault.
 - Error(status, message, code, param, headers): a service handler's rejection,
   with the status it decides. A Problem that reaches the service boundary
@@ -38,6 +38,9 @@ STATUS = {
     "device_memory": 503,
     "step_timeout": 503,
     "device_limit": 500,      # the package cannot run this geometry on this device
+    # audio: uploaded recordings
+    "unsupported_audio": 415, "audio_codec_disabled": 415, "invalid_audio": 400, "invalid_pcm_geometry": 400,
+    "channel_mismatch": 400, "audio_too_long": 400, "resample_budget": 400,
 }
 
 
