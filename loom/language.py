@@ -53,6 +53,7 @@ BUILTINS = {
     "option": None,   # option("name") or option("name", default): model document options
     "shape": 2,       # shape("tensor", axis): a checkpoint tensor's dimension (row-major axis)
     "has": 1,         # has("tensor"): whether the checkpoint holds it
+    "count": 1,       # count("blk.{i}.x"): layers present, i = 0, 1, ... while the name exists
     "dtype": 1,       # dtype(x): a weight's storage type as a string ("F32", "Q8_0", ...)
     "pages": 1,       # pages(state): pages in a paged state pool
     "min": 2, "max": 2, "ceil": 2,  # ceil(a, b) is integer ceiling division

@@ -506,7 +506,16 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
             raise LoomError(f"tensor {name!r} has no axis {axis}")
         return dims[axis]
 
-    builtins = {"meta": meta, "shape": shape, "has": lambda name: name in tensors,
+    def count(pattern):
+        """How many layers a checkpoint holds: i = 0, 1, ... while pattern's {i} names a tensor."""
+        if not isinstance(pattern, str) or "{i}" not in pattern:
+            raise LoomError("count() needs a tensor name pattern with {i}")
+        n = 0
+        while n <= 4096 and pattern.replace("{i}", str(n)) in tensors:
+            n += 1
+        return n
+
+    builtins = {"meta": meta, "shape": shape, "has": lambda name: name in tensors, "count": count,
                 "option": lambda k, *d: _option(options, k, d)}
     for spec in module.specs:
         specs[spec.name] = evaluate(spec.code, Scope(dict(specs, format=fmt or "", driver=driver), builtins, f"spec {spec.name}"))

@@ -686,6 +686,7 @@ def _read_safetensors(path: str, index: bool) -> Checkpoint:
 
 _CT2_DTYPES = {0: "F32", 1: "I8", 2: "I16", 3: "I32", 4: "F16", 5: "BF16"}
 _CT2_ITEM = {"F32": 4, "I8": 1, "I16": 2, "I32": 4, "F16": 2, "BF16": 2}
+_CT2_SCALARS = {"I8": "<i1", "I16": "<i2", "I32": "<i4"}
 _CT2_MAX_RANK = 8
 _CT2_MIN_VARIABLE = 2 + 1 + 1 + 4       # name length, rank, dtype, byte count
 
@@ -753,6 +754,10 @@ def _read_ctranslate2(path: str) -> Checkpoint:
             t = tensors[target]
             tensors[alias] = TensorInfo(alias, t.dtype, t.shape, t.offset, t.nbytes, path)
         metadata = {"binary_version": version, "spec": spec, "spec_revision": revision, "aliases": aliases}
+        # Scalar variables are the spec's settings (num_heads, pre_norm...): metadata, like GGUF's keys.
+        for t in tensors.values():
+            if t.shape == () and t.dtype in _CT2_SCALARS:
+                metadata[t.name] = int(np.frombuffer(buf, _CT2_SCALARS[t.dtype], 1, t.offset)[0])
         config = os.path.join(os.path.dirname(path), "config.json")
         if os.path.isfile(config):
             metadata["config"] = _read_json_file(config, "config.json")

@@ -10,7 +10,8 @@ Servers get an empty catalog unless a test asks: `catalog="default"` is the
 real default catalog (SmolLM2, MiniLM: what `make run` serves), `catalog="tiny"`
 the same deployments with scout and encoder on a tiny generated checkpoint
 (`tiny_scout_dir()`: a two-layer Qwen2 shape, random weights), which keeps
-serving tests fast and their outputs unlike any real model's.
+serving tests fast and their outputs unlike any real model's, and
+`catalog="recognizer"` the default recognizer alone (whisper tiny.en).
 """
 
 import http.client
@@ -176,7 +177,12 @@ def _start_live(tmp_path, flags, catalog=None):
     unix_path = str(tmp_path / "loom.sock")
     if catalog != "default" and "--models" not in flags:
         # Most tests need no models: an empty catalog keeps start-up light.
-        docs = demo.catalog(text=tiny_scout_dir()) if catalog == "tiny" else []
+        if catalog == "tiny":
+            docs = demo.catalog(text=tiny_scout_dir(), recognizer=False)
+        elif catalog == "recognizer":       # the default recognizer alone (whisper tiny.en)
+            docs = [doc for doc in demo.catalog() if doc["model"] == "recognizer"]
+        else:
+            docs = []
         (tmp_path / "catalog.json").write_text(json.dumps(docs))
         flags = ("--models", str(tmp_path / "catalog.json"), *flags)
     cmd = [sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{unix_path}", *flags]
