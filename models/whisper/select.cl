@@ -11,7 +11,7 @@
  * filtered logits at temperature 1, and the no-speech probability is taken
  * from the raw logits, as Whisper does.
  *
- * kernel select(
+ * kernel pick_tokens(
  *     const __global float *logits,    [P, V]
  *     const __global int *ctl,         [P, 16]: mode (0 next token, 1 best of a range), tokens
  *                                      sampled so far in this window, the last and the one before it,
@@ -39,7 +39,7 @@ static float whisper_uniform(uint seed, uint counter) {
     return (float)(z >> 8) * (1.0f / 16777216.0f);
 }
 
-__kernel void select(const __global float *logits, const __global int *ctl, const __global float *temps,
+__kernel void pick_tokens(const __global float *logits, const __global int *ctl, const __global float *temps,
                      const __global uchar *mask, __global float *out, int P) {
     const int p = get_global_id(0);
     if (p >= P) return;
