@@ -206,7 +206,8 @@ def _start_live(tmp_path, flags, catalog=None):
         proc.kill()
         raise RuntimeError("server did not start:\n" + "".join(lines))
     server = LiveServer(proc, found["host"], found["port"], unix_path, lines)
-    deadline = time.monotonic() + 30
+    # Readiness waits for the catalog: real models compile their kernels first (minutes when cold).
+    deadline = time.monotonic() + (30 if catalog is None else 900)
     while time.monotonic() < deadline:
         try:
             if server.request("GET", "/readyz")[0] == 200:

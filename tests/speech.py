@@ -163,3 +163,18 @@ def wer(reference: str, hypothesis: str) -> float:
         for j, h in enumerate(hyp, 1):
             prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
     return row[len(hyp)] / max(len(ref), 1)
+
+
+if __name__ == "__main__":
+    # python tests/speech.py "TEXT" OUT.wav|OUT.flac|OUT.mp3|OUT.pcm [RATE]: a recording for the
+    # docs' examples (raw .pcm is mono PCM16LE at RATE, 24000 unless given; the others at RATE or 22050).
+    import sys
+    text, out = sys.argv[1], sys.argv[2]
+    samples, rate = synthesize(text)
+    kind = os.path.splitext(out)[1].lower()
+    new_rate = int(sys.argv[3]) if len(sys.argv) > 3 else (24000 if kind == ".pcm" else rate)
+    samples = resample(samples, rate, new_rate) if new_rate != rate else samples
+    encode = {".wav": wav_bytes, ".flac": flac_bytes, ".mp3": mp3_bytes}
+    data = pcm_bytes(samples) if kind == ".pcm" else encode[kind](samples, new_rate)
+    with open(out, "wb") as f:
+        f.write(data)

@@ -991,3 +991,52 @@ def test_catalogue_lists_every_kernel():
     assert {"matmul", "rms_norm", "layer_norm", "rope", "softmax", "kv_store", "attention",
             "silu_mul", "gelu", "add", "mul", "scale", "to_f16", "add_bias", "gather", "mean_pool",
             "cls_pool", "l2_normalize", "argmax"} <= found
+
+
+# ---------------------------------------------------------------- spectrum, conv1d
+
+def test_spectrum_kernels_match_numpy(env):
+    """dft_basis as an STFT against numpy's rfft, power_spectrum, and mel_filterbank against
+    librosa's Slaney formula written out in float64 (hz <-> mel linear below 1 kHz, log above)."""
+    import whisper_numpy
+    n_fft, n_mels, rate = 400, 80, 16000
+    bins = n_fft // 2 + 1
+    prg = env.build("spectrum", N_FFT=n_fft, N_MELS=n_mels, RATE=rate)
+    basis = env.empty(4 * 2 * bins * n_fft)
+    env.run(prg.dft_basis, (n_fft, 2 * bins), None, basis)
+    w = env.read(basis, (2 * bins, n_fft))
+    frames = rng(3).standard_normal((7, n_fft)).astype(np.float32)
+    spec = np.fft.rfft(frames.astype(np.float64) * whisper_numpy.hann(n_fft), axis=1)
+    proj = frames @ w.T
+    assert_close(proj[:, :bins], spec.real, 1e-5)
+    assert_close(np.abs(proj[:, bins:]), np.abs(spec.imag), 1e-5)    # sin rows: sign is immaterial to power
+    pb = env.empty(4 * 7 * bins)
+    env.run(prg.power_spectrum, (bins, 7), None, env.buf(proj.astype(np.float32)), pb, i32(7))
+    assert_close(env.read(pb, (7, bins)), np.abs(spec) ** 2, 1e-4)
+    fb = env.empty(4 * n_mels * bins)
+    env.run(prg.mel_filterbank, (bins, n_mels), None, fb)
+    assert_close(env.read(fb, (n_mels, bins)), whisper_numpy.mel_filters(rate, n_fft, n_mels), 1e-5)
+    x = np.array([0.0, 1e-12, 3.5, 1e4], np.float32)
+    xb = env.buf(x)
+    env.run(prg.log10_floor, (4,), None, xb, i32(4), f32(1e-10))
+    assert_close(env.read(xb, (4,)), np.log10(np.maximum(x.astype(np.float64), 1e-10)), 1e-6)
+
+
+@pytest.mark.parametrize("c,kw,stride,pad,dilation", [(80, 3, 1, 1, 1), (5, 3, 2, 1, 1), (4, 5, 1, 4, 2), (3, 7, 3, 0, 3)])
+def test_im2col1d_is_a_conv1d_with_matmul(env, c, kw, stride, pad, dilation):
+    """im2col1d, then the unfolded input times W[O, C, KW] viewed as [O, C*KW], equals a direct conv1d."""
+    s_, t_in, o = 2, 37, 6
+    t_out = (t_in + 2 * pad - dilation * (kw - 1) - 1) // stride + 1
+    r = rng(c + kw)
+    x = r.standard_normal((s_, t_in, c)).astype(np.float32)
+    w = r.standard_normal((o, c, kw)).astype(np.float32)
+    prg = env.build("conv1d", C=c, KW=kw, STRIDE=stride, PAD=pad, DILATION=dilation)
+    yb = env.empty(4 * s_ * t_out * c * kw)
+    env.run(prg.im2col1d, (c * kw, t_out, s_), None, env.buf(x), yb, i32(t_in), i32(t_out), i32(s_))
+    cols = env.read(yb, (s_, t_out, c * kw))
+    xp = np.pad(x.astype(np.float64), ((0, 0), (pad, pad), (0, 0)))
+    want = np.zeros((s_, t_out, o))
+    for t in range(t_out):
+        for k in range(kw):
+            want[:, t] += xp[:, t * stride + k * dilation] @ w[:, :, k].T
+    assert_close(cols @ w.reshape(o, -1).T, want, 1e-5)
