@@ -133,8 +133,9 @@ def create(server, request):
                                        f"{decoder.channels} (channels={decoder.channels})", "channel_mismatch")
             frames = audio.pcm_frames(len(upload.data), rate, channels, decoder.rate)
             if frames > decoder.max_frames:
-                raise audio.AudioError(f"the recording is {frames / decoder.rate:.1f} s long; model {reg.name!r} "
-                                       f"takes at most {decoder.max_frames / decoder.rate:g} s", "audio_too_long")
+                raise audio.AudioError(f"the recording is {frames} frames ({frames / decoder.rate:.1f} s) at "
+                                       f"{decoder.rate} Hz; model {reg.name!r} takes at most {decoder.max_frames} "
+                                       f"({decoder.max_frames / decoder.rate:g} s)", "audio_too_long")
     except audio.AudioError as e:
         raise Error.of(e) from None
     job = Job(server, reg, request, upload.data, ctype, language, fields)

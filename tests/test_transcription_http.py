@@ -590,8 +590,16 @@ def trimmed_workspace(server):
     return json.loads(body)["memory"]["by_kind"]["workspace"]
 
 
+def answered(server, status):
+    """loom_http_requests_total of transcriptions answered with `status` (499: the client left)."""
+    text = server.request("GET", "/metrics")[2].decode()
+    line = f'loom_http_requests_total{{method="POST",route="{PATH}",status="{status}"}} '
+    return sum(int(float(row[len(line):])) for row in text.splitlines() if row.startswith(line))
+
+
 def test_disconnect_does_not_disturb_a_peer(server):
     base = wait_idle(server)
+    gone = answered(server, 499)
     workspace = trimmed_workspace(server)
     cohorts = base["scheduler"]["cohorts"]
     samples, rate = long_recording()
@@ -620,6 +628,7 @@ def test_disconnect_does_not_disturb_a_peer(server):
     while (left := trimmed_workspace(server)) != workspace:
         assert time.monotonic() < deadline, (left, workspace)
         time.sleep(0.05)
+    assert answered(server, 499) == gone + 1       # the leaver was cancelled, not finished
     status = status_json(server)
     assert status["requests"]["in_flight"] == 1, status["requests"]     # this request only
     assert server.request("GET", "/healthz")[0] == 200
