@@ -40,6 +40,7 @@ samples and row stay owned by that step.
 
 import collections
 import math
+import re
 import zlib
 
 import numpy as np
@@ -56,6 +57,8 @@ SPECTRUM_BATCH = 4      # chunks per spectrum step
 ENCODE_BATCH = 2        # windows per encoder step
 DECODE_TOKENS = 1024    # tokens per decoding step (a prompt is at most max_prompt_tokens + 4)
 CTL = 16                # ints per picked position (select.cl)
+# A decimal number as a form field writes one: no whitespace, underscores, inf or nan (which float() takes).
+NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 # ---- the request ---------------------------------------------------------------
@@ -94,12 +97,11 @@ def read_fields(parts):
     if not fields["file"].data:
         raise Error(400, "file is empty", "invalid_value", "file")
     value = fields.get("temperature", "0")
-    try:
-        temperature = float(value)
-    except ValueError:
-        raise Error(400, f"temperature must be a number, got {value!r}", "invalid_type", "temperature") from None
+    if not NUMBER.fullmatch(value):
+        raise Error(400, f"temperature must be a decimal number, got {value[:40]!r}", "invalid_type", "temperature")
+    temperature = float(value)
     if not math.isfinite(temperature) or not 0 <= temperature <= 1:
-        raise Error(400, f"temperature must be from 0 through 1, got {value!r}", "out_of_range", "temperature")
+        raise Error(400, f"temperature must be from 0 through 1, got {value[:40]!r}", "out_of_range", "temperature")
     fields["temperature"] = temperature
     fmt = fields.setdefault("response_format", "json")
     if fmt not in ("json", "text"):
@@ -131,8 +133,9 @@ def create(server, request):
                                        f"{decoder.channels} (channels={decoder.channels})", "channel_mismatch")
             frames = audio.pcm_frames(len(upload.data), rate, channels, decoder.rate)
             if frames > decoder.max_frames:
-                raise audio.AudioError(f"the recording is {frames / decoder.rate:.1f} s long; model {reg.name!r} "
-                                       f"takes at most {decoder.max_frames / decoder.rate:g} s", "audio_too_long")
+                raise audio.AudioError(f"the recording is {frames} frames ({frames / decoder.rate:.1f} s) at "
+                                       f"{decoder.rate} Hz; model {reg.name!r} takes at most {decoder.max_frames} "
+                                       f"({decoder.max_frames / decoder.rate:g} s)", "audio_too_long")
     except audio.AudioError as e:
         raise Error.of(e) from None
     job = Job(server, reg, request, upload.data, ctype, language, fields)
