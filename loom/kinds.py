@@ -12,6 +12,8 @@ never branches on a kind's name. What a kind says about itself:
     trial(binding, c, g)   the probe's inputs and outputs, shaped as the engine sends them,
                            for its trial run in the proving ground (None: not trial-run)
     options(doc, options)  preparation options it derives from the document (the KV pool)
+    check(prepared)        raises a Problem when the prepared package cannot serve this kind
+                           (the registration fails with its code and message)
     components(prepared)   its residency components ("primary", and e.g. "image")
     capability(reg)        the fields it adds to the "loom" object of /v1/models
     start(reg, loop)       the engine (a scheduler.CohortEngine) serving the prepared registration
@@ -37,6 +39,9 @@ class Kind:
 
     def trial(self, binding, command, geometry):
         return None
+
+    def check(self, prepared):
+        pass
 
     def components(self, prepared):
         return ("primary",)

@@ -426,9 +426,15 @@ class Registry:
             loop.call_soon_threadsafe(reg.progress.update, {"bytes_done": done, "bytes_total": total})
 
         def work():
-            return runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
-                                   progress, loaded=files.loaded, preserved=files.preserved, assets=files.assets,
-                                   includes=files.includes)
+            prepared = runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
+                                       progress, loaded=files.loaded, preserved=files.preserved,
+                                       assets=files.assets, includes=files.includes)
+            try:
+                reg.kind.check(prepared)
+            except BaseException:
+                prepared.release()
+                raise
+            return prepared
 
         def finished(prepared, error):
             if reg.timed_out:       # this answer is too late: the registration has already failed

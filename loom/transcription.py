@@ -46,7 +46,7 @@ import zlib
 import numpy as np
 
 from . import audio, kinds
-from .errors import Error
+from .errors import Error, Problem
 from .http import Response
 from .runtime import run_stage
 from .scheduler import CohortEngine
@@ -194,8 +194,8 @@ class Decoder:
     def __init__(self, prepared):
         policy, tok = prepared.policy, prepared.tokenizer
         if tok is None:
-            raise Error(422, "this recognition deployment has no tokenizer (tokenizer.json beside the checkpoint)",
-                        "no_tokenizer")
+            raise Problem("a recognition package needs the model's tokenizer (tokenizer.json beside the "
+                          "checkpoint)", "no_tokenizer")
         self.tokenizer, self.policy = tok, policy
         self.rate, self.channels = policy["sample_rate"], policy["channels"]
         self.hop, self.window = policy["hop"], prepared.spec("FRAMES")
@@ -212,6 +212,10 @@ class Decoder:
                     return i
             return None
 
+        missing = [names[n] for n in ("eot", "sot", "prev", "no_timestamps", "transcribe", "translate")
+                   if token(names[n]) is None]
+        if missing:
+            raise Problem(f"the tokenizer lacks the package's special tokens {', '.join(missing)}", "no_tokenizer")
         self.eot, self.sot, self.prev = token(names["eot"]), token(names["sot"]), token(names["prev"])
         self.no_speech = token(names["no_speech"])
         self.timestamp_begin = token(names["no_timestamps"]) + 1
@@ -617,6 +621,9 @@ class Recognition(kinds.Kind):
     def options(self, doc, options):
         options.setdefault("rows", doc["rows"])
         return options
+
+    def check(self, prepared):
+        Decoder.of(prepared)     # the policy's tokens resolve in the tokenizer
 
     def trial(self, binding, command, geometry):
         s = binding.specs

