@@ -202,7 +202,11 @@ class Decoder:
         self.chunk_in, self.n_mels = prepared.spec("CHUNK_IN"), prepared.spec("N_MELS")
         self.n_ctx, self.n_text, self.vocab = prepared.spec("N_CTX"), prepared.spec("N_TEXT"), prepared.spec("V")
         self.max_frames = prepared.spec("MAX_FRAMES")
-        self.codecs = tuple(prepared.binding.options.get("audio_codecs", ("wav", "flac", "mp3")))
+        self.codecs = prepared.binding.options.get("audio_codecs", list(audio.CODECS))
+        if not isinstance(self.codecs, list) or not set(self.codecs) <= set(audio.CODECS):
+            raise Problem(f"option audio_codecs must be a list of {', '.join(audio.CODECS)}, got {self.codecs!r}",
+                          "invalid_option")
+        self.codecs = tuple(self.codecs)
         names = policy["tokens"]
 
         def token(name):

@@ -794,17 +794,49 @@ def test_a_whisper_without_its_tokenizer_fails_registration_cleanly(server, tmp_
     os.symlink(demo.whisper_tiny_file(), tmp_path / "model.bin")
     doc = {"model": "tokenless", "kind": "recognition", "sources": ["whisper.loom"],
            "checkpoint": str(tmp_path / "model.bin"), "base_directory": os.path.join(ROOT, "models", "whisper")}
+    reg = _register(server, doc)
+    assert reg["phase"] == "failed" and reg["error"]["code"] == "no_tokenizer", reg
+    assert "tokenizer.json" in reg["error"]["message"]
+    _unregister(server, "tokenless")
+
+
+def _register(server, doc, timeout=300):
+    """Register `doc` and wait for it to settle: its final /v1/status registration."""
     status, _, body = server.request("POST", "/v1/models/register", json.dumps(doc).encode(),
                                      {"Content-Type": "application/json"})
     assert status == 202, body
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while True:
         regs = json.loads(server.request("GET", "/v1/status")[2])["registrations"]
-        reg = next(r for r in regs if r["model"] == "tokenless")
-        if reg["phase"] == "failed" or time.monotonic() > deadline:
-            break
+        reg = next(r for r in regs if r["model"] == doc["model"])
+        if reg["phase"] in ("ready", "failed") or time.monotonic() > deadline:
+            return reg
         time.sleep(0.2)
-    assert reg["phase"] == "failed" and reg["error"]["code"] == "no_tokenizer", reg
-    assert "tokenizer.json" in reg["error"]["message"]
-    server.request("POST", "/v1/models/unregister", json.dumps({"model": "tokenless"}).encode(),
+
+
+def _unregister(server, name):
+    server.request("POST", "/v1/models/unregister", json.dumps({"model": name}).encode(),
                    {"Content-Type": "application/json"})
+
+
+def test_a_deployment_can_switch_codecs_off(server):
+    """options.audio_codecs: a disabled codec is a 415 of its own; the others still work;
+    a codec the server does not have fails the registration."""
+    doc = {"model": "wav-only", "kind": "recognition", "sources": ["whisper.loom"],
+           "checkpoint": demo.whisper_tiny_file(), "base_directory": os.path.join(ROOT, "models", "whisper"),
+           "rows": 1, "options": {"audio_codecs": ["wav"]}}
+    assert _register(server, doc)["phase"] == "ready"
+    try:
+        samples, rate = speech.synthesize(speech.SENTENCES[0])
+        fields = (("model", "wav-only"),)
+        assert_error(transcribe(server, speech.flac_bytes(samples, rate), "audio/flac", "a.flac", fields),
+                     415, "audio_codec_disabled", "file")
+        assert speech.wer(speech.SENTENCES[0], text_of(*transcribe(server, speech.wav_bytes(samples, rate),
+                                                                   fields=fields))) < 0.1
+        models = json.loads(server.request("GET", "/v1/models")[2])["data"]
+        assert next(m for m in models if m["id"] == "wav-only")["loom"]["formats"] == ["wav", "pcm"]
+    finally:
+        _unregister(server, "wav-only")
+    reg = _register(server, dict(doc, model="ogg", options={"audio_codecs": ["wav", "ogg"]}))
+    assert reg["phase"] == "failed" and reg["error"]["code"] == "invalid_option", reg
+    _unregister(server, "ogg")
