@@ -28,6 +28,9 @@ setup(
         # a PoCL 3.0 whose LLVM does not know new CPUs (Zen 5), so it cannot be the only driver.
         'intel-opencl-rt==2026.2.0; platform_machine == "x86_64" and sys_platform == "linux"',
         'intel-cmplr-lib-rt==2026.2.0; platform_machine == "x86_64" and sys_platform == "linux"',
+        # libespeak-ng 1.52 + espeak-ng-data for speech synthesis (loom/phonemes.py). The
+        # library is GPL-3.0-or-later; it is loaded only when a speech deployment needs it.
+        "espeakng-loader==0.2.4",
     ],
     extras_require={
         "test": [

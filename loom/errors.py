@@ -41,6 +41,9 @@ STATUS = {
     # audio: uploaded recordings
     "unsupported_audio": 415, "audio_codec_disabled": 415, "invalid_audio": 400, "invalid_pcm_geometry": 400,
     "channel_mismatch": 400, "audio_too_long": 400, "resample_budget": 400,
+    # phonemes: text for speech synthesis (espeak-ng)
+    "phonemizer_unavailable": 503, "invalid_input": 400, "input_too_long": 400,
+    "unsupported_voice": 422,
 }
 
 
