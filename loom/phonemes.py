@@ -233,7 +233,7 @@ class _Clauses:
         any_alnum = stressed_word = False
         c2 = 0 if self.eof() else self.getc()
         while not self.eof():
-            cprev2, cprev, c1 = cprev, c1, c2
+            cprev, c1 = c1, c2
             c2 = ord(" ") if self.eof() else self.getc()
             if c1 == 0x01:                         # CTRL_EMBEDDED: refused before espeak sees it
                 raise PhonemizerError("text contains control character U+0001")
