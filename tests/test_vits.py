@@ -34,7 +34,12 @@ def W():
 @pytest.fixture(scope="module", params=cpu_drivers())
 def prepared(request):
     dev = Device(request.param)
-    p = runtime.prepare("vits", [SOURCE], VOICE, {}, dev, Compiler(dev, run_now))
+
+    def includes(name):
+        path = os.path.join(os.path.dirname(SOURCE), name)
+        return open(path, "rb").read() if os.path.isfile(path) else None
+
+    p = runtime.prepare("vits", [SOURCE], VOICE, {}, dev, Compiler(dev, run_now), includes=includes)
     yield p
     p.release()
 
@@ -82,3 +87,63 @@ def test_text_encoder_of_padded_sentences_in_one_step(prepared, W):
         _, m_p, logs_p, _ = ref.text_encoder(W, s)
         close(out[i, :len(s)], np.concatenate([m_p, logs_p]).T, f"m_p, logs_p of sentence {i} ({len(s)} ids)")
         assert not out[i, len(s):].any()
+
+
+def _mix(z):
+    z = (z ^ (z >> 16)) * np.uint32(0x85EBCA6B)
+    z = (z ^ (z >> 13)) * np.uint32(0xC2B2AE35)
+    return z ^ (z >> 16)
+
+
+def normal_draws(seed, stream, T, width):
+    """The package's counter-based normal generator, written again in numpy: Box-Muller on
+    two hashed uniforms per element of (seed, stream, t, channel)."""
+    with np.errstate(over="ignore"):
+        lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+        counter = 2 * np.arange(T * width, dtype=np.uint32)
+        base = _mix(_mix(lo ^ np.uint32(0x9E3779B9)) ^ hi) ^ (np.uint32(stream) * np.uint32(0x632BE5AB))
+        u = [((_mix(base ^ (counter + np.uint32(k))) >> 8).astype(np.float64) + 0.5) / 16777216.0 for k in (0, 1)]
+    return (np.sqrt(-2 * np.log(u[0])) * np.cos(2 * np.pi * u[1])).reshape(T, width)
+
+
+def encode(p, sents, seeds, noise_w, length_scale):
+    S, T = len(sents), max(map(len, sents))
+    ids = np.zeros((S, T), np.int32)
+    for i, s in enumerate(sents):
+        ids[i, :len(s)] = s
+    seed_words = np.array([[s & 0xFFFFFFFF, s >> 32] for s in seeds], np.uint32)
+    out = run(p, "encode", {"T": T, "S": S},
+              {"ids": ids.ravel(), "lengths": np.array([len(s) for s in sents], np.int32), "seeds": seed_words.ravel(),
+               "noise_w": np.full(S, noise_w, np.float32), "length_scale": np.full(S, length_scale, np.float32)},
+              {"stats": (np.float32, S * T * p.spec("STATS")), "durations": (np.float32, S * T)})
+    return out["stats"].reshape(S, T, -1), out["durations"].reshape(S, T)
+
+
+@pytest.mark.parametrize("noise_w,length_scale", [(0.0, 1.0), (0.8, 1.0), (0.8, 2.0)])
+def test_durations_match_the_reference_with_the_same_noise(prepared, W, noise_w, length_scale):
+    """The stochastic duration predictor in reverse (DDSConv, ConvFlows with inverse splines,
+    ElementwiseAffine), fed the package's seeded noise: each phoneme's frames equal the
+    reference's ceil(exp(logw) * length_scale), wherever that is not within 1e-3 of a whole
+    frame (there float32 rounding may decide either way)."""
+    import vits_numpy as ref
+    sents = sentence_ids()
+    seeds = [7, 2**64 - 1, 12345678901234]
+    _, durations = encode(prepared, sents, seeds, noise_w, length_scale)
+    for i, (s, seed) in enumerate(zip(sents, seeds)):
+        x, _, _, x_mask = ref.text_encoder(W, s)
+        noise = normal_draws(seed, 1, len(s), 2).T.astype(np.float32)
+        w = (np.exp(ref.duration_predictor(W, x, x_mask, noise, noise_w)) * length_scale)[0]
+        decided = np.abs(w - np.round(w)) > 1e-3
+        got, want = durations[i, :len(s)], np.ceil(w)
+        print(f"sentence {i}: {int(want.sum())} frames, {int((~decided).sum())} undecided")
+        assert decided.sum() >= 0.9 * len(s)
+        assert np.array_equal(got[decided], want[decided]), np.flatnonzero(got != want)
+        assert np.all(np.abs(got - want) <= 1)
+        assert not durations[i, len(s):].any()
+
+
+def test_a_seed_reproduces_its_durations_and_another_seed_differs(prepared):
+    sents = sentence_ids()[:1] * 3
+    _, durations = encode(prepared, sents, [5, 5, 6], 0.8, 1.0)
+    assert np.array_equal(durations[0], durations[1])
+    assert not np.array_equal(durations[0], durations[2])
