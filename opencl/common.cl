@@ -93,10 +93,27 @@ inline float loom_erf(float x)
     float y = 1.0f - p * loom_exp(-a * a);
     return x < 0.0f ? -y : y;
 }
+
+/* tanh, Cephes tanhf (~2 ulp): an odd polynomial for |x| <= 0.625 (no
+ * cancellation near 0), 1 - 2 / (exp(2|x|) + 1) above (exactly +-1 from
+ * |x| ~ 9 on); NaN gives NaN. */
+inline float loom_tanh(float x)
+{
+    float a = x < 0.0f ? -x : x, r;
+    if (a > 0.625f) {
+        r = 1.0f - 2.0f / (loom_exp(2.0f * a) + 1.0f);
+    } else {
+        float z = a * a;
+        r = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
+             - 3.33332819422e-1f) * z * a + a;
+    }
+    return x < 0.0f ? -r : r;
+}
 #else
 #define loom_exp(x) exp(x)
 #define loom_exp8(x) exp(x)
 #define loom_erf(x) erf(x)
+#define loom_tanh(x) tanh(x)
 #endif
 
 /* ---- work-group reductions for row kernels with WG lanes (WG > 1 only) ----

@@ -10,6 +10,9 @@
  *       u_off = F, ldg = ldu = 2F. Separate [T, F] buffers: offsets 0, ld = F.
  *       O may be G or U (each element is read before it is written).
  *   kernel gelu_mul(same arguments)   O = gelu(G) * U (GeGLU), GELU_TANH applies
+ *   kernel tanh_sigmoid_mul(same arguments)   O = tanh(G) * sigmoid(U), the
+ *       WaveNet gate (VITS flows: G, U the two halves of the dilated conv's
+ *       [T, 2F] output, tanh half first), sigmoid(u) = 1 / (1 + exp(-u))
  *   Launch: global = (F, T), local = any (NULL).
  *
  * Flat kernels over n elements (launch: global = n rounded up to the local
@@ -20,12 +23,17 @@
  *   kernel add(__global float *Y, const __global float *X, int n)    Y += X
  *   kernel mul(__global float *Y, const __global float *X, int n)    Y *= X
  *   kernel scale(__global float *Y, int n, float s)                  Y *= s
+ *   kernel leaky_relu(const __global float *X, __global float *Y, int n, float slope)
+ *       Y = X < 0 ? slope * X : X                                     Y may be X
+ *   kernel tanh_act(const __global float *X, __global float *Y, int n)  Y = tanh(X), Y may be X
  *   kernel to_f16(const __global float *X, __global half *Y, int n)
  *       Y = (half) X, IEEE binary16 by vstore_half (round to nearest even,
  *       overflow to +-inf), so no cl_khr_fp16 is needed; Y is n halves
  *
  * Row broadcast (macro F = row length, required):
  *   kernel add_bias(__global float *Y, const __global float *b, int T)  Y[t, i] += b[i]
+ *   kernel mask_rows(__global float *Y, int y_off, int ldy, const __global int *keep, int T)
+ *       Y[t, i] = 0 for i < F where keep[t] == 0 (other rows untouched); Y[t, i] = Y[y_off + t*ldy + i]
  *   Launch: global = (F, T), local = any.
  *
  * Kernels using F are only compiled when F is defined, so a build with no
@@ -71,6 +79,27 @@ __kernel void gelu_mul(const __global float *G, int g_off, int ldg,
     O[o_off + (size_t)t * ldo + i] = act_gelu(g) * u;
 }
 
+__kernel void tanh_sigmoid_mul(const __global float *G, int g_off, int ldg,
+                               const __global float *U, int u_off, int ldu,
+                               __global float *O, int o_off, int ldo, int T)
+{
+    const int i = get_global_id(0), t = get_global_id(1);
+    if (i >= F || t >= T)
+        return;
+    const float g = G[g_off + (size_t)t * ldg + i];
+    const float u = U[u_off + (size_t)t * ldu + i];
+    O[o_off + (size_t)t * ldo + i] = loom_tanh(g) / (1.0f + loom_exp(-u));
+}
+
+__kernel void mask_rows(__global float *Y, int y_off, int ldy, const __global int *keep, int T)
+{
+    const int i = get_global_id(0), t = get_global_id(1);
+    if (i >= F || t >= T)
+        return;
+    if (keep[t] == 0)
+        Y[y_off + (size_t)t * ldy + i] = 0.0f;
+}
+
 __kernel void add_bias(__global float *Y, const __global float *b, int T)
 {
     const int i = get_global_id(0), t = get_global_id(1);
@@ -85,6 +114,22 @@ __kernel void gelu(const __global float *X, __global float *Y, int n)
     const int i = get_global_id(0);
     if (i < n)
         Y[i] = act_gelu(X[i]);
+}
+
+__kernel void leaky_relu(const __global float *X, __global float *Y, int n, float slope)
+{
+    const int i = get_global_id(0);
+    if (i < n) {
+        const float x = X[i];
+        Y[i] = x < 0.0f ? slope * x : x;
+    }
+}
+
+__kernel void tanh_act(const __global float *X, __global float *Y, int n)
+{
+    const int i = get_global_id(0);
+    if (i < n)
+        Y[i] = loom_tanh(X[i]);
 }
 
 __kernel void add(__global float *Y, const __global float *X, int n)

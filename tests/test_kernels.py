@@ -1040,3 +1040,343 @@ def test_im2col1d_is_a_conv1d_with_matmul(env, c, kw, stride, pad, dilation):
         for k in range(kw):
             want[:, t] += xp[:, t * stride + k * dilation] @ w[:, :, k].T
     assert_close(cols @ w.reshape(o, -1).T, want, 1e-5)
+
+
+# ---------------------------------------------------------------- direct convolutions (VITS: HiFi-GAN, WaveNet, DDS)
+
+def packed_offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def leaky(x, slope):
+    return np.where(x < 0, x * slope, x) if slope is not None else x
+
+
+def conv1d_ref(x, w, b, xo, yo, stride=1, pad=0, dil=1, slope=None):
+    """Packed channels-last conv1d in float64: x [T_in, C], w [O, C, KW] -> [yo[-1], O];
+    each sequence convolved alone, zero outside it."""
+    x = leaky(np.asarray(x, np.float64), slope)
+    o_, _, kw = w.shape
+    y = np.zeros((yo[-1], o_))
+    for s in range(len(xo) - 1):
+        xs, n = x[xo[s]:xo[s + 1]], yo[s + 1] - yo[s]
+        for k in range(kw):
+            u = np.arange(n) * stride + k * dil - pad
+            ok = (u >= 0) & (u < len(xs))
+            y[yo[s]:yo[s + 1]][ok] += xs[u[ok]] @ w[:, :, k].T.astype(np.float64)
+    return y + (0 if b is None else b)
+
+
+def conv_transpose1d_ref(x, w, b, offs, stride, pad, slope=None):
+    """Packed ConvTranspose1d, float64: x [T, C], w [C, O, KW] -> [stride*T, O]: each
+    sequence's PyTorch output, frames 0 .. stride*n - 1 (zero past its end), plus bias."""
+    x = leaky(np.asarray(x, np.float64), slope)
+    _, o_, kw = w.shape
+    y = np.zeros((stride * offs[-1], o_))
+    for s in range(len(offs) - 1):
+        xs = x[offs[s]:offs[s + 1]]
+        n = len(xs)
+        full = np.zeros(((n - 1) * stride + kw + 2 * pad + stride, o_))
+        for m in range(n):
+            full[m * stride:m * stride + kw] += (xs[m] @ w.reshape(len(w), -1)).reshape(o_, kw).T
+        y[stride * offs[s]:stride * offs[s + 1]] = full[pad:pad + stride * n]
+    return y + (0 if b is None else b)
+
+
+def test_conv_references_match_vits_numpy():
+    """The float64 references above, channels last, against tests/vits_numpy.py's conv1d
+    (same padding, dilated, depthwise) and conv_transpose1d on one sequence each."""
+    import vits_numpy as vn
+    r = rng(700)
+    x = r.standard_normal((23, 6)).astype(np.float32)
+    w = r.standard_normal((5, 6, 5)).astype(np.float32)
+    b = r.standard_normal(5).astype(np.float32)
+    o = packed_offsets([23])
+    assert_close(conv1d_ref(x, w, b, o, o, pad=6, dil=3), vn.conv1d(x.T, w, b, dilation=3).T, 1e-5)
+    wd = r.standard_normal((6, 1, 3)).astype(np.float32)
+    bd = r.standard_normal(6).astype(np.float32)
+    assert_close(depthwise_ref(x, wd, bd, o, pad=9, dil=9), vn.conv1d(x.T, wd, bd, dilation=9, groups=6).T, 1e-5)
+    wt = r.standard_normal((6, 4, 16)).astype(np.float32)
+    assert_close(conv_transpose1d_ref(x, wt, b[:4], o, 8, 4), vn.conv_transpose1d(x.T, wt, b[:4], 8, 4).T, 1e-5)
+
+
+def depthwise_ref(x, w, b, offs, pad, dil):
+    x = np.asarray(x, np.float64)
+    c, _, kw = w.shape
+    y = np.zeros_like(x)
+    for s in range(len(offs) - 1):
+        xs = x[offs[s]:offs[s + 1]]
+        for k in range(kw):
+            u = np.arange(len(xs)) + k * dil - pad
+            ok = (u >= 0) & (u < len(xs))
+            y[offs[s]:offs[s + 1]][ok] += xs[u[ok]] * w[:, 0, k]
+    return y + (0 if b is None else b)
+
+
+def conv_in_view(env, x, ldx, x_off):
+    """x [T, C] inside a wider buffer: row t at x_off + t*ldx (other elements are noise)."""
+    t, c = x.shape
+    buf = rng(1).standard_normal(x_off + max(t, 1) * ldx).astype(np.float32) * 1e3
+    buf[x_off:x_off + t * ldx].reshape(t, ldx)[:, :c] = x
+    return env.buf(buf)
+
+
+# (C, O, KW, STRIDE, PAD, DILATION, lengths, macros, views): the voice's layers first
+CONV_DIRECT = {
+    "conv_pre": (192, 256, 7, 1, 3, 1, [13, 30, 7], dict(HAS_BIAS=True, OUTS_PER_ITEM=4, FRAMES_PER_ITEM=2), None),
+    "rb_k7_d12_residual": (32, 32, 7, 1, 36, 12, [50, 3, 20], dict(HAS_BIAS=True, LEAKY=0.1, RESIDUAL=True), None),
+    "rb_k5_d6_accumulate": (64, 64, 5, 1, 12, 6, [31, 40], dict(HAS_BIAS=True, LEAKY=0.1, RESIDUAL=True, ACCUMULATE=True), None),
+    "rb_k3_d2": (128, 128, 3, 1, 2, 2, [9, 1, 12], dict(HAS_BIAS=True, LEAKY=0.1, OUTS_PER_ITEM=4, FRAMES_PER_ITEM=3), None),
+    "conv_post_tanh": (32, 1, 7, 1, 3, 1, [40, 25], dict(LEAKY=0.01, OUT_TANH=True, OUTS_PER_ITEM=1, FRAMES_PER_ITEM=8), None),
+    "wn_in_layer": (192, 384, 5, 1, 2, 1, [9, 17], dict(HAS_BIAS=True, OUTS_PER_ITEM=8, FRAMES_PER_ITEM=1), None),
+    "stride2_f16_empty_seq": (12, 5, 4, 2, 1, 1, [10, 0, 7], dict(HAS_BIAS=True, WEIGHT_F16=True), None),
+    "valid_vw1_views": (5, 3, 3, 1, 0, 2, [8, 6], dict(HAS_BIAS=True, LEAKY=0.2, ACCUMULATE=True, OUTS_PER_ITEM=2,
+                                                      FRAMES_PER_ITEM=3), (9, 3, 7, 2)),
+    "vw16_len1": (32, 16, 3, 1, 3, 3, [1, 40], dict(HAS_BIAS=True, VW=16, OUTS_PER_ITEM=2, FRAMES_PER_ITEM=2), None),
+    "causal_pad": (8, 8, 3, 1, 2, 1, [6, 11], dict(RESIDUAL=True, OUTS_PER_ITEM=3, FRAMES_PER_ITEM=4), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_DIRECT))
+def test_conv1d_direct(env, case):
+    """conv1d_direct on packed sequences against the float64 loop: bias, fused leaky input,
+    residual, tanh, accumulate, stride, dilation beyond a sequence's length, empty and
+    one-frame sequences, tail outputs and frames, F16 weights, views; any G1, same bits; a T
+    past y_offsets[S] writes nothing more."""
+    c, o, kw, stride, pad, dil, lengths, macros, views = CONV_DIRECT[case]
+    r = rng(710 + len(case))
+    xo = packed_offsets(lengths)
+    yo = packed_offsets([(n + 2 * pad - dil * (kw - 1) - 1) // stride + 1 if n else 0 for n in lengths])
+    if macros.get("RESIDUAL"):      # frame t's own input row: as many output frames as input ones
+        yo = xo                     # (for causal_pad, PAD = KW - 1: left padding only)
+        assert c == o
+    t_in, t_out = int(xo[-1]), int(yo[-1])
+    x = r.standard_normal((t_in, c)).astype(np.float32)
+    w = (r.standard_normal((o, c, kw)) / np.sqrt(c * kw)).astype(np.float32)
+    b = r.standard_normal(o).astype(np.float32)
+    kind = "F16" if macros.get("WEIGHT_F16") else "F32"
+    wdev, w64 = make_weights(kind, w)
+    ldx, x_off, ldy, y_off = views or (c, 0, o, 0)
+    y0 = r.standard_normal((t_out, o)).astype(np.float32)
+    slope = macros.get("LEAKY")
+    want = conv1d_ref(x, w64, b if macros.get("HAS_BIAS") else None, xo, yo, stride, pad, dil, slope)
+    if macros.get("RESIDUAL"):
+        want = want + x
+    if macros.get("OUT_TANH"):
+        want = np.tanh(want)
+    if macros.get("ACCUMULATE"):
+        want = want + y0
+    prg = env.build("conv1d", C=c, O=o, KW=kw, STRIDE=stride, PAD=pad, DILATION=dil, **macros)
+    ot = macros.get("OUTS_PER_ITEM", 8)
+    xb, ob_x, ob_y = conv_in_view(env, x, ldx, x_off), env.buf(xo), env.buf(yo)
+    results = []
+    for g1 in (1, 3, 64):
+        yb = conv_in_view(env, y0, ldy, y_off)
+        env.run(prg.conv1d_direct, (-(-o // ot), g1), (1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev),
+                env.buf(b), yb, i32(y_off), i32(ldy), ob_x, ob_y, i32(len(lengths)), i32(t_out + 50 * (g1 == 3)))   # a T too large is clamped
+        full = env.read(yb, y_off + max(t_out, 1) * ldy)
+        got = full[y_off:y_off + t_out * ldy].reshape(t_out, ldy)
+        assert_close(got[:, :o], want, 1e-5)
+        if ldy > o:      # untouched outside the view
+            np.testing.assert_array_equal(got[:, o:], conv_in_view_ref(y0, ldy, y_off)[:, o:])
+        results.append(got[:, :o])
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+def conv_in_view_ref(x, ldx, x_off):
+    t, c = x.shape
+    buf = rng(1).standard_normal(x_off + max(t, 1) * ldx).astype(np.float32) * 1e3
+    buf[x_off:x_off + t * ldx].reshape(t, ldx)[:, :c] = x
+    return buf[x_off:x_off + t * ldx].reshape(t, ldx)
+
+
+# (C, KW, DILATION, lengths, macros, views): the duration predictor's DDS convs first
+CONV_DEPTHWISE = {
+    "dds_d1": (192, 3, 1, [5, 20, 2], dict(HAS_BIAS=True), None),
+    "dds_d3": (192, 3, 3, [5, 20, 2], dict(HAS_BIAS=True, FRAMES_PER_ITEM=4), None),
+    "dds_d9_f16": (192, 3, 9, [5, 20, 2], dict(HAS_BIAS=True, WEIGHT_F16=True), None),
+    "vw1_accumulate_views": (5, 5, 2, [7, 0, 9], dict(ACCUMULATE=True, FRAMES_PER_ITEM=3), (8, 3, 6, 1)),
+    "vw16": (32, 7, 1, [1, 15], dict(HAS_BIAS=True, VW=16, FRAMES_PER_ITEM=1), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_DEPTHWISE))
+def test_conv1d_depthwise(env, case):
+    c, kw, dil, lengths, macros, views = CONV_DEPTHWISE[case]
+    pad = dil * (kw - 1) // 2
+    r = rng(720 + len(case))
+    offs = packed_offsets(lengths)
+    t = int(offs[-1])
+    x = r.standard_normal((t, c)).astype(np.float32)
+    w = r.standard_normal((c, 1, kw)).astype(np.float32)
+    b = r.standard_normal(c).astype(np.float32)
+    wdev, w64 = make_weights("F16" if macros.get("WEIGHT_F16") else "F32", w)
+    ldx, x_off, ldy, y_off = views or (c, 0, c, 0)
+    y0 = r.standard_normal((t, c)).astype(np.float32)
+    want = depthwise_ref(x, w64, b if macros.get("HAS_BIAS") else None, offs, pad, dil)
+    if macros.get("ACCUMULATE"):
+        want = want + y0
+    prg = env.build("conv1d", C=c, KW=kw, PAD=pad, DILATION=dil, **macros)
+    vw = macros.get("VW", 8 if c % 8 == 0 else 4 if c % 4 == 0 else 1)
+    xb, ob = conv_in_view(env, x, ldx, x_off), env.buf(offs)
+    results = []
+    for g1 in (1, 4, 64):
+        yb = conv_in_view(env, y0, ldy, y_off)
+        env.run(prg.conv1d_depthwise, (c // vw, g1), (1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev), env.buf(b),
+                yb, i32(y_off), i32(ldy), ob, i32(len(lengths)), i32(t + 50 * (g1 == 4)))
+        got = env.read(yb, y_off + max(t, 1) * ldy)[y_off:y_off + t * ldy].reshape(t, ldy)
+        assert_close(got[:, :c], want, 1e-5)
+        if ldy > c:
+            np.testing.assert_array_equal(got[:, c:], conv_in_view_ref(y0, ldy, y_off)[:, c:])
+        results.append(got[:, :c])
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+# (C, O, KW, STRIDE, PAD, lengths, macros, views): the voice's upsamplers first
+CONV_TRANSPOSE = {
+    "ups0": (256, 128, 16, 8, 4, [3, 5], dict(HAS_BIAS=True, LEAKY=0.1, OUTS_PER_ITEM=4, FRAMES_PER_ITEM=2), None),
+    "ups1_f16": (128, 64, 16, 8, 4, [4, 1, 6], dict(HAS_BIAS=True, LEAKY=0.1, WEIGHT_F16=True), None),
+    "ups2": (64, 32, 8, 4, 2, [20, 1, 9], dict(HAS_BIAS=True, LEAKY=0.1, OUTS_PER_ITEM=8, FRAMES_PER_ITEM=1), None),
+    "odd_tails_accumulate_views": (12, 5, 5, 3, 1, [7, 0, 4], dict(HAS_BIAS=True, ACCUMULATE=True, FRAMES_PER_ITEM=3),
+                                   (13, 2, 9, 3)),
+    "kw_longer_vw1": (5, 3, 3, 2, 0, [6, 2], dict(HAS_BIAS=True, OUTS_PER_ITEM=2), None),
+    "kw_shorter_stride": (4, 3, 2, 3, 0, [5, 3], dict(HAS_BIAS=True), None),
+    "pad_beyond_stride": (8, 4, 11, 3, 4, [6, 1, 4], dict(LEAKY=0.3, VW=4), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_TRANSPOSE))
+def test_conv_transpose1d(env, case):
+    """conv_transpose1d: STRIDE * n output frames per sequence equal to PyTorch's when
+    KW - 2*PAD == STRIDE (HiFi-GAN), truncated or bias-extended otherwise; packed sequences
+    (one frame, empty), fused leaky input, F16 weights, tails, views; any G1, same bits."""
+    c, o, kw, stride, pad, lengths, macros, views = CONV_TRANSPOSE[case]
+    r = rng(730 + len(case))
+    offs = packed_offsets(lengths)
+    t = int(offs[-1])
+    x = r.standard_normal((t, c)).astype(np.float32)
+    w = (r.standard_normal((c, o, kw)) / np.sqrt(c)).astype(np.float32)
+    b = r.standard_normal(o).astype(np.float32)
+    wdev, w64 = make_weights("F16" if macros.get("WEIGHT_F16") else "F32", w)
+    ldx, x_off, ldy, y_off = views or (c, 0, o, 0)
+    t_out = stride * t
+    y0 = r.standard_normal((t_out, o)).astype(np.float32)
+    want = conv_transpose1d_ref(x, w64, b if macros.get("HAS_BIAS") else None, offs, stride, pad, macros.get("LEAKY"))
+    if macros.get("ACCUMULATE"):
+        want = want + y0
+    prg = env.build("conv1d", C=c, O=o, KW=kw, STRIDE=stride, PAD=pad, **macros)
+    ot = macros.get("OUTS_PER_ITEM", 8)
+    xb, ob = conv_in_view(env, x, ldx, x_off), env.buf(offs)
+    results = []
+    for g1 in (1, 2, 64):
+        yb = conv_in_view(env, y0, ldy, y_off)
+        env.run(prg.conv_transpose1d, (-(-o // ot), stride, g1), (1, 1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev),
+                env.buf(b), yb, i32(y_off), i32(ldy), ob, i32(len(lengths)), i32(t + 50 * (g1 == 2)))
+        got = env.read(yb, y_off + max(t_out, 1) * ldy)[y_off:y_off + t_out * ldy].reshape(t_out, ldy)
+        assert_close(got[:, :o], want, 1e-5)
+        if ldy > o:
+            np.testing.assert_array_equal(got[:, o:], conv_in_view_ref(y0, ldy, y_off)[:, o:])
+        results.append(got[:, :o])
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+def test_conv_build_errors_and_absent_kernels(env):
+    """VW must divide C; conv_transpose1d exists only with DILATION 1; without O only
+    im2col1d and conv1d_depthwise exist."""
+    with pytest.raises(cl.RuntimeError):
+        env.build("conv1d", C=12, O=4, KW=3, VW=8)
+    with pytest.raises(cl.LogicError):
+        env.build("conv1d", C=8, O=4, KW=3, DILATION=2).conv_transpose1d
+    prg = env.build("conv1d", C=8, KW=3)
+    prg.conv1d_depthwise
+    with pytest.raises(cl.LogicError):
+        prg.conv1d_direct
+
+
+def test_hifigan_stage_from_library_kernels(env):
+    """One HiFi-GAN upsampling stage of the voice's last shape (64 -> 32 channels, x4, MRF of
+    ResBlock2 k3/5/7, dilations [1,2], [2,6], [3,12]) on two packed sequences, composed as a
+    package would (conv_transpose1d with fused leaky, conv1d_direct with LEAKY + RESIDUAL and
+    ACCUMULATE for the sum, scale by 1/3), against vits_numpy's resblock and conv_transpose1d
+    run on each sequence alone."""
+    import vits_numpy as vn
+    c_in, c, up, kw_up, pad_up = 64, 32, 4, 8, 2
+    kernels, dils = [3, 5, 7], [[1, 2], [2, 6], [3, 12]]
+    r = rng(740)
+    W = {"hp": {"resblock_kernel_sizes": kernels, "resblock_dilation_sizes": dils, "resblock": "2"},
+         "ups.w": (r.standard_normal((c_in, c, kw_up)) / 8).astype(np.float32),
+         "ups.b": (r.standard_normal(c) * 0.1).astype(np.float32)}
+    for j, k in enumerate(kernels):
+        for i in range(2):
+            W[f"dec.resblocks.{j}.convs.{i}.weight"] = (r.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
+            W[f"dec.resblocks.{j}.convs.{i}.bias"] = (r.standard_normal(c) * 0.1).astype(np.float32)
+    lengths = [9, 14]
+    xo = packed_offsets(lengths)
+    x = r.standard_normal((int(xo[-1]), c_in)).astype(np.float32)
+    want = []
+    for s in range(2):
+        h = vn.conv_transpose1d(vn.leaky_relu(x[xo[s]:xo[s + 1]].T, 0.1), W["ups.w"], W["ups.b"], up, pad_up)
+        xs = sum(vn.resblock(W, f"dec.resblocks.{j}", h) for j in range(3))
+        want.append((xs / np.float32(3)).T)
+    want = np.concatenate(want)
+
+    t = int(xo[-1]) * up
+    yo = env.buf(xo * up)
+    hb, ab, bb, sb = (env.empty(4 * t * c) for _ in range(4))
+    ups = env.build("conv1d", C=c_in, O=c, KW=kw_up, STRIDE=up, PAD=pad_up, HAS_BIAS=True, LEAKY=0.1)
+    env.run(ups.conv_transpose1d, (c // 8, up, 8), (1, 1, 1), env.buf(x), i32(0), i32(c_in), env.buf(W["ups.w"]),
+            env.buf(W["ups.b"]), hb, i32(0), i32(c), env.buf(xo), i32(2), i32(xo[-1]))
+    for j, k in enumerate(kernels):
+        src = hb
+        for i, d in enumerate(dils[j]):
+            last = i == len(dils[j]) - 1
+            prg = env.build("conv1d", C=c, O=c, KW=k, DILATION=d, PAD=d * (k - 1) // 2, HAS_BIAS=True, LEAKY=0.1,
+                            RESIDUAL=True, ACCUMULATE=last and j > 0, OUTS_PER_ITEM=8, FRAMES_PER_ITEM=1)
+            dst = sb if last else (ab if src is not ab else bb)
+            env.run(prg.conv1d_direct, (c // 8, 16), (1, 1), src, i32(0), i32(c),
+                    env.buf(W[f"dec.resblocks.{j}.convs.{i}.weight"]), env.buf(W[f"dec.resblocks.{j}.convs.{i}.bias"]),
+                    dst, i32(0), i32(c), yo, yo, i32(2), i32(t))
+            src = dst
+    ew = env.build("elementwise")
+    env.run(ew.scale, (-(-t * c // 64) * 64,), (64,), sb, i32(t * c), f32(1.0 / 3.0))
+    assert_close(env.read(sb, (t, c)), want, 1e-5)
+
+
+def test_vits_elementwise(env):
+    """leaky_relu, tanh_act, tanh_sigmoid_mul (WaveNet gate on the halves of one [T, 2H]
+    buffer) and mask_rows."""
+    f, t = 37, 6
+    prg = env.build("elementwise", F=f)
+    r = rng(750)
+    n = 1000
+    x = (r.standard_normal(n) * 4).astype(np.float32)
+    x[:8] = [-50.0, 50.0, 0.0, -0.0, 1e-3, -1e-6, 0.625, -0.6251]
+    x64 = x.astype(np.float64)
+    xb, yb = env.buf(x), env.empty(4 * n)
+    env.run(prg.leaky_relu, (1024,), (64,), xb, yb, i32(n), f32(0.1))
+    np.testing.assert_array_equal(env.read(yb, n), np.where(x < 0, x * np.float32(0.1), x))
+    env.run(prg.tanh_act, (1024,), (64,), xb, yb, i32(n))
+    got = env.read(yb, n)
+    assert_close(got, np.tanh(x64), 1e-6)
+    np.testing.assert_allclose(got[4:6], np.tanh(x64[4:6]), rtol=1e-6)     # relative accuracy near 0
+    assert got[0] == -1.0 and got[1] == 1.0
+    env.run(prg.tanh_act, (1024,), (64,), xb, xb, i32(n))                    # in place
+    np.testing.assert_array_equal(env.read(xb, n), got)
+
+    gu = (r.standard_normal((t, 2 * f)) * 3).astype(np.float32)
+    gu[0, :3], gu[0, f:f + 3] = [-30.0, 30.0, 0.0], [-100.0, 100.0, 0.0]
+    g64, u64 = gu[:, :f].astype(np.float64), gu[:, f:].astype(np.float64)
+    b, ob = env.buf(gu), env.empty(4 * t * f)
+    env.run(prg.tanh_sigmoid_mul, (f, t), None, b, i32(0), i32(2 * f), b, i32(f), i32(2 * f), ob, i32(0), i32(f), i32(t))
+    assert_close(env.read(ob, (t, f)), np.tanh(g64) / (1 + np.exp(-u64)), 1e-6)
+
+    y = r.standard_normal((t, 2 * f)).astype(np.float32)
+    keep = np.array([1, 0, 1, 0, 0, 1], np.int32)
+    yb2 = env.buf(y)
+    env.run(prg.mask_rows, (f, t), None, yb2, i32(f), i32(2 * f), env.buf(keep), i32(t))
+    want = y.copy()
+    want[keep == 0, f:] = 0
+    np.testing.assert_array_equal(env.read(yb2, (t, 2 * f)), want)
