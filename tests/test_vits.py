@@ -183,3 +183,20 @@ def test_latents_match_the_flow_in_reverse(prepared, W, noise_scale):
         want = ref.flow_reverse(W, (m + eps * np.exp(logs) * np.float32(noise_scale)).astype(np.float32), y_mask)
         close(z[i, :lengths[i]], want.T, f"z of sentence {i} ({lengths[i]} frames)")
         assert not z[i, lengths[i]:].any()
+
+
+def test_vocoder_matches_hifigan_on_packed_sentences(prepared, W):
+    """The HiFi-GAN decoder (conv_pre, three upsamplings each followed by the mean of three
+    ResBlock2s, conv_post, tanh) on three sentences' latents packed into one step: each
+    sentence's samples equal the reference decoder on that sentence alone."""
+    import vits_numpy as ref
+    rng = np.random.default_rng(4)
+    frames = [61, 8, 130]
+    zs = [rng.standard_normal((n, prepared.spec("INTER"))).astype(np.float32) * 3 for n in frames]
+    off = np.concatenate([[0], np.cumsum(frames)]).astype(np.int32)
+    T = int(off[-1])
+    audio = run(prepared, "vocode", {"T": T, "S": len(frames)},
+                {"z": np.concatenate(zs).ravel(), "off0": off, "off1": off * 8, "off2": off * 64, "off3": off * 256},
+                {"audio": (np.float32, T * prepared.spec("HOP"))})["audio"]
+    for i, z in enumerate(zs):
+        close(audio[off[i] * 256:off[i + 1] * 256], ref.decoder(W, z.T), f"audio of {frames[i]} frames")
