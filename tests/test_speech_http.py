@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from conftest import _start_live
