@@ -200,3 +200,29 @@ def test_vocoder_matches_hifigan_on_packed_sentences(prepared, W):
                 {"audio": (np.float32, T * prepared.spec("HOP"))})["audio"]
     for i, z in enumerate(zs):
         close(audio[off[i] * 256:off[i + 1] * 256], ref.decoder(W, z.T), f"audio of {frames[i]} frames")
+
+
+def test_whole_waveform_with_noise_off_equals_onnxruntime(prepared):
+    """The three stages chained as the speech engine chains them, noise off, against
+    onnxruntime running the same .onnx (scales [0, 1, 0]): the same number of samples and
+    the same waveform within 5e-4 of its peak (the tolerance test_vits_reference.py justifies
+    for the numpy reference: float32 rounding compounds through the flow and the decoder)."""
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(VOICE, providers=["CPUExecutionProvider"])
+    for ids in sentence_ids():
+        stats, durations = encode(prepared, [ids], [0], 0.0, 1.0)
+        index, lengths = frames_of(durations, [ids], len(ids))
+        z = run(prepared, "latents", {"T": index.shape[1], "S": 1},
+                {"stats": stats.ravel(), "index": index.ravel(), "lengths": lengths, "seeds": np.zeros(2, np.uint32),
+                 "noise_scale": np.zeros(1, np.float32)},
+                {"z": (np.float32, index.shape[1] * prepared.spec("INTER"))})["z"]
+        off = np.array([0, lengths[0]], np.int32)
+        audio = run(prepared, "vocode", {"T": int(lengths[0]), "S": 1},
+                    {"z": z, "off0": off, "off1": off * 8, "off2": off * 64, "off3": off * 256},
+                    {"audio": (np.float32, int(lengths[0]) * prepared.spec("HOP"))})["audio"]
+        want = session.run(None, {"input": np.array([ids], np.int64), "input_lengths": np.array([len(ids)], np.int64),
+                                  "scales": np.array([0.0, 1.0, 0.0], np.float32)})[0].ravel()
+        assert audio.shape == want.shape
+        err, peak = float(np.abs(audio - want).max()), float(np.abs(want).max())
+        print(f"{len(ids)} ids, {len(want)} samples: max error {err:.2e} of peak {peak:.2f}")
+        assert err <= 5e-4 * peak
