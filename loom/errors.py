@@ -4,7 +4,7 @@ Every error body is {"error": {"message", "type", "param", "code"}} (DESIGN.md
 "Errors"). Two classes carry it:
 
 - Problem(message, code, param): what a lower layer raises (jsonin, packages,
-  chat, scheduler, kvcache, runtime, device, audio). It knows no HTTP: a stable code
+  chat, scheduler, kvcache, runtime, device, audio, images). It knows no HTTP: a stable code
   says what went wrong, param which input was at fault.
 - Error(status, message, code, param, headers): a service handler's rejection,
   with the status it decides. A Problem that reaches the service boundary
@@ -41,6 +41,10 @@ STATUS = {
     # audio: uploaded recordings
     "unsupported_audio": 415, "audio_codec_disabled": 415, "invalid_audio": 400, "invalid_pcm_geometry": 400,
     "channel_mismatch": 400, "audio_too_long": 400, "resample_budget": 400,
+    # images: image parts' data URLs (malformed 400, unsupported or disabled 415, over a limit 413)
+    "unsupported_image_url": 400, "invalid_image_url": 400, "invalid_image": 400, "image_mime_mismatch": 400,
+    "unsupported_image": 415, "image_codec_disabled": 415, "animated_image": 415,
+    "image_too_large": 413, "image_dimensions_too_large": 413, "image_too_many_pixels": 413,
     # phonemes: text for speech synthesis (espeak-ng)
     "phonemizer_unavailable": 503, "invalid_input": 400, "input_too_long": 400,
     "unsupported_voice": 422,
