@@ -10,8 +10,16 @@ go through the request's resampler (audio.py: history kept from sentence to
 sentence) to 24 kHz and out as soon as they exist, so audio starts after the
 first sentence, not the whole input.
 
+The decoder runs over windows of a sentence's latent frames, each widened by
+the package's CONTEXT frames on both sides and cut back to its own samples,
+which then equal a decode of the whole sentence: a request's first window is
+short (FIRST_WINDOW frames, about a third of a second), so its audio starts
+before its first sentence is vocoded; later ones are long (WINDOW), so the
+context adds little work, and they bound the decoder's memory per step.
+
 The stage contract (kind speech): specs STATS (encoder stats per phoneme),
-INTER (latent channels), HOP (samples per frame); the checkpoint's metadata
+INTER (latent channels), HOP (samples per frame), CONTEXT (latent frames of
+context a vocode window needs on each side); the checkpoint's metadata
 "config" is the voice's Piper document (.onnx.json: sample rate, phoneme map,
 espeak voice, inference noise and length scales). Commands:
 
@@ -42,6 +50,9 @@ PCM_TYPE = f"audio/pcm;rate={OUTPUT_RATE};channels=1"
 INPUT_CHARS = 4096
 SENTENCE_IDS = 1024        # phoneme ids per sentence (a longer one is refused, never cut)
 BATCH = 8                  # sentences per step
+FIRST_WINDOW = 32          # latent frames of a request's first vocode window (0.37 s at 22050 Hz, hop 256)
+WINDOW = 256               # latent frames of every later window
+VOCODE_FRAMES = 1024       # latent frames (context included) per vocode step: bounds its scratch
 ENCODED_FORMATS = ("mp3", "opus", "aac", "flac", "wav")
 
 SPEC = Obj({
@@ -116,6 +127,7 @@ class Voice:
         self.voices = dict(declared) if isinstance(declared, dict) else (
             dict(config.get("speaker_id_map") or {}) or {"default": 0})
         self.hop, self.stats, self.inter = prepared.spec("HOP"), prepared.spec("STATS"), prepared.spec("INTER")
+        self.context = prepared.spec("CONTEXT")
 
 
 class Job(kinds.Job):
@@ -175,6 +187,16 @@ class Job(kinds.Job):
             self.finish()
 
 
+def windows(frames, first):
+    """The vocode windows [a, b) of a sentence of `frames` latent frames; `first`: it opens its request."""
+    cuts = [0]
+    if first and frames > FIRST_WINDOW:
+        cuts.append(FIRST_WINDOW)
+    while frames - cuts[-1] > WINDOW:
+        cuts.append(cuts[-1] + WINDOW)
+    return list(zip(cuts, cuts[1:] + [frames]))
+
+
 class Sentence:
     """One sentence of a request on its way through the stages."""
 
@@ -183,6 +205,13 @@ class Sentence:
         self.ids = job.sentences[index]
         self.state = "encode"
         self.stats = self.durations = self.z = None
+        self.windows, self.window = [], 0        # vocode windows [a, b) and the next one
+
+    def span(self):
+        """The next window [a, b) and the frames [lo, hi) it is decoded from (its context)."""
+        a, b = self.windows[self.window]
+        context = self.job.voice.context
+        return a, b, max(0, a - context), min(len(self.z), b + context)
 
 
 class Engine(CohortEngine):
@@ -223,6 +252,8 @@ class Engine(CohortEngine):
             phase = phases[(self.turn + i) % len(phases)]
             work = [job.current for job in self.jobs
                     if job.current.state == phase and job.stream.ready][:BATCH]
+            if phase == "vocode":
+                work = self._within_budget(work)
             if work:
                 self.turn = (self.turn + i + 1) % len(phases)
                 self.requests += len(work)
@@ -230,6 +261,17 @@ class Engine(CohortEngine):
                     s.state = phase + "-running"
                 return phase, work
         return None
+
+    @staticmethod
+    def _within_budget(work):
+        """The first windows whose frames fit one vocode step (always at least one)."""
+        total = 0
+        for i, s in enumerate(work):
+            _, _, lo, hi = s.span()
+            total += hi - lo
+            if i and total > VOCODE_FRAMES:
+                return work[:i]
+        return work
 
     def launch(self, cohort, done):
         phase, work = cohort
@@ -261,8 +303,10 @@ class Engine(CohortEngine):
             outputs = {"z": (np.float32, S * F * voice.inter)}
             geometry = {"T": F, "S": S}
         else:
-            off = np.concatenate([[0], np.cumsum([len(s.z) for s in work])]).astype(np.int32)
-            inputs = {"z": np.concatenate([s.z for s in work]).ravel(), "off0": off, "off1": off * 8,
+            spans = [s.span() for s in work]
+            off = np.concatenate([[0], np.cumsum([hi - lo for _, _, lo, hi in spans])]).astype(np.int32)
+            z = np.concatenate([s.z[lo:hi] for s, (_, _, lo, hi) in zip(work, spans)])
+            inputs = {"z": z.ravel(), "off0": off, "off1": off * 8,
                       "off2": off * 64, "off3": off * 256}
             outputs = {"audio": (np.float32, int(off[-1]) * voice.hop)}
             geometry = {"T": int(off[-1]), "S": S}
@@ -293,18 +337,24 @@ class Engine(CohortEngine):
             z = values["z"].reshape(len(work), F, voice.inter)
             for i, s in enumerate(work):
                 s.z = z[i, :int(s.durations.sum())]
+                s.windows = windows(len(s.z), s.index == 0)
                 s.state = "vocode"
         else:
             samples = values["audio"]
             at = 0
             for s in work:
-                n = len(s.z) * voice.hop
-                job, last = s.job, s.index + 1 == len(s.job.sentences)
+                a, b, lo, hi = s.span()
+                job = s.job
+                s.window += 1
+                last_window = s.window == len(s.windows)
+                last = last_window and s.index + 1 == len(job.sentences)
                 if not job.gone:
-                    job.emit(samples[at:at + n], last)
-                    if not last:
+                    job.emit(samples[at + (a - lo) * voice.hop:at + (b - lo) * voice.hop], last)
+                    if last_window and not last:
                         job.current = Sentence(job, s.index + 1)
-                at += n
+                    elif not last_window:
+                        s.state = "vocode"
+                at += (hi - lo) * voice.hop
 
 
 class Speech(kinds.Kind):

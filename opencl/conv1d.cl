@@ -73,6 +73,8 @@
  *   STRIDE (1), PAD (0), DILATION (1)   conv_transpose1d exists only with DILATION 1 and PAD >= 0
  *   WEIGHT_F32 (default) | WEIGHT_F16   W as float or half (storage; widened once per work-item)
  *   HAS_BIAS, ACCUMULATE  (all three direct kernels)
+ *   X_SCALE=factor        (conv1d_direct, conv_transpose1d) X times factor as it is read (before LEAKY;
+ *                         not the RESIDUAL term): a mean of summed branches without a pass of its own
  *   LEAKY=slope           (conv1d_direct, conv_transpose1d) leaky ReLU on X as it is read
  *   RESIDUAL, OUT_TANH    (conv1d_direct)
  *   VW (8, or 4 / 1 when C is not a multiple of 8)   vector width along C; must divide C
@@ -85,8 +87,9 @@
  *
  * Launch (G1 >= 1 free: work-item (i, g) runs frame tiles g, g + G1, ... so each
  * work-item widens its weights once and reuses them for ~T / (FRAMES_PER_ITEM*G1)
- * tiles; choose G1 so that each item still runs >= ~8 tiles, e.g.
- * G1 = clamp(T / (8 * FRAMES_PER_ITEM), 1, 64); any G1 gives the same answer):
+ * tiles. Widening the weights costs each item about as much as a few dozen tiles,
+ * so keep G1 small: 1 when ceil(O / OUTS_PER_ITEM) items already fill the device,
+ * 4-8 for narrow layers over long sequences (opencl/README.md); any G1 gives the same answer):
  *   conv1d_direct:     global = (ceil(O / OUTS_PER_ITEM), G1), local = (1, 1)
  *   conv1d_depthwise:  global = (C / VW, G1), local = (1, 1)
  *   conv_transpose1d:  global = (ceil(O / OUTS_PER_ITEM), STRIDE, G1), local = (1, 1, 1)
@@ -174,10 +177,15 @@ __kernel void im2col1d(const __global float *X, __global float *Y, int T_in, int
 #define TT FRAMES_PER_ITEM
 #define OT OUTS_PER_ITEM
 
-#ifdef LEAKY
-#define ACT(v) ((v) < 0.0f ? (v) * (float)(LEAKY) : (v))
+#ifdef X_SCALE
+#define XS(v) ((v) * (float)(X_SCALE))
 #else
-#define ACT(v) (v)
+#define XS(v) (v)
+#endif
+#ifdef LEAKY
+#define ACT(v) (XS(v) < 0.0f ? XS(v) * (float)(LEAKY) : XS(v))
+#else
+#define ACT(v) XS(v)
 #endif
 
 #ifdef ACCUMULATE

@@ -1134,13 +1134,19 @@ CONV_DIRECT = {
                                                       FRAMES_PER_ITEM=3), (9, 3, 7, 2)),
     "vw16_len1": (32, 16, 3, 1, 3, 3, [1, 40], dict(HAS_BIAS=True, VW=16, OUTS_PER_ITEM=2, FRAMES_PER_ITEM=2), None),
     "causal_pad": (8, 8, 3, 1, 2, 1, [6, 11], dict(RESIDUAL=True, OUTS_PER_ITEM=3, FRAMES_PER_ITEM=4), None),
+    # the package's tiles (8 x 2-4, VW 16) and conv_post taking the mean of three ResBlock2 sums
+    "wn_in_vw16_tile8x4": (192, 384, 5, 1, 2, 1, [9, 17], dict(HAS_BIAS=True, VW=16, OUTS_PER_ITEM=8, FRAMES_PER_ITEM=4), None),
+    "rb_vw16_tile8x2_scaled": (32, 32, 5, 1, 12, 6, [31, 2], dict(HAS_BIAS=True, LEAKY=0.1, RESIDUAL=True, X_SCALE=0.5,
+                                                                  VW=16, FRAMES_PER_ITEM=2), None),
+    "conv_post_mean": (32, 1, 7, 1, 3, 1, [40, 25], dict(X_SCALE=1 / 3, LEAKY=0.01, OUT_TANH=True, OUTS_PER_ITEM=1,
+                                                         FRAMES_PER_ITEM=8), None),
 }
 
 
 @pytest.mark.parametrize("case", list(CONV_DIRECT))
 def test_conv1d_direct(env, case):
-    """conv1d_direct on packed sequences against the float64 loop: bias, fused leaky input,
-    residual, tanh, accumulate, stride, dilation beyond a sequence's length, empty and
+    """conv1d_direct on packed sequences against the float64 loop: bias, fused leaky input
+    (scaled first with X_SCALE), residual, tanh, accumulate, stride, dilation beyond a sequence's length, empty and
     one-frame sequences, tail outputs and frames, F16 weights, views; any G1, same bits; a T
     past y_offsets[S] writes nothing more."""
     c, o, kw, stride, pad, dil, lengths, macros, views = CONV_DIRECT[case]
@@ -1159,7 +1165,8 @@ def test_conv1d_direct(env, case):
     ldx, x_off, ldy, y_off = views or (c, 0, o, 0)
     y0 = r.standard_normal((t_out, o)).astype(np.float32)
     slope = macros.get("LEAKY")
-    want = conv1d_ref(x, w64, b if macros.get("HAS_BIAS") else None, xo, yo, stride, pad, dil, slope)
+    xs = np.float32(macros.get("X_SCALE", 1.0))      # scales the conv's input, not the residual
+    want = conv1d_ref(x * xs, w64, b if macros.get("HAS_BIAS") else None, xo, yo, stride, pad, dil, slope)
     if macros.get("RESIDUAL"):
         want = want + x
     if macros.get("OUT_TANH"):
@@ -1244,6 +1251,8 @@ CONV_TRANSPOSE = {
     "kw_longer_vw1": (5, 3, 3, 2, 0, [6, 2], dict(HAS_BIAS=True, OUTS_PER_ITEM=2), None),
     "kw_shorter_stride": (4, 3, 2, 3, 0, [5, 3], dict(HAS_BIAS=True), None),
     "pad_beyond_stride": (8, 4, 11, 3, 4, [6, 1, 4], dict(LEAKY=0.3, VW=4), None),
+    "ups1_mean_vw16": (128, 64, 16, 8, 4, [4, 1, 6], dict(HAS_BIAS=True, LEAKY=0.1, X_SCALE=1 / 3, VW=16,
+                                                          FRAMES_PER_ITEM=2), None),
 }
 
 
@@ -1251,7 +1260,7 @@ CONV_TRANSPOSE = {
 def test_conv_transpose1d(env, case):
     """conv_transpose1d: STRIDE * n output frames per sequence equal to PyTorch's when
     KW - 2*PAD == STRIDE (HiFi-GAN), truncated or bias-extended otherwise; packed sequences
-    (one frame, empty), fused leaky input, F16 weights, tails, views; any G1, same bits."""
+    (one frame, empty), fused leaky input (scaled first with X_SCALE), F16 weights, tails, views; any G1, same bits."""
     c, o, kw, stride, pad, lengths, macros, views = CONV_TRANSPOSE[case]
     r = rng(730 + len(case))
     offs = packed_offsets(lengths)
@@ -1263,7 +1272,8 @@ def test_conv_transpose1d(env, case):
     ldx, x_off, ldy, y_off = views or (c, 0, o, 0)
     t_out = stride * t
     y0 = r.standard_normal((t_out, o)).astype(np.float32)
-    want = conv_transpose1d_ref(x, w64, b if macros.get("HAS_BIAS") else None, offs, stride, pad, macros.get("LEAKY"))
+    xs = np.float32(macros.get("X_SCALE", 1.0))
+    want = conv_transpose1d_ref(x * xs, w64, b if macros.get("HAS_BIAS") else None, offs, stride, pad, macros.get("LEAKY"))
     if macros.get("ACCUMULATE"):
         want = want + y0
     prg = env.build("conv1d", C=c, O=o, KW=kw, STRIDE=stride, PAD=pad, **macros)

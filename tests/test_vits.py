@@ -226,3 +226,32 @@ def test_whole_waveform_with_noise_off_equals_onnxruntime(prepared):
         err, peak = float(np.abs(audio - want).max()), float(np.abs(want).max())
         print(f"{len(ids)} ids, {len(want)} samples: max error {err:.2e} of peak {peak:.2f}")
         assert err <= 5e-4 * peak
+
+
+def vocode_windows(p, z, spans):
+    """Decode the windows [lo, hi) of z packed into one vocode step; each window's samples."""
+    off = np.concatenate([[0], np.cumsum([hi - lo for lo, hi in spans])]).astype(np.int32)
+    T = int(off[-1])
+    audio = run(p, "vocode", {"T": T, "S": len(spans)},
+                {"z": np.concatenate([z[lo:hi] for lo, hi in spans]).ravel(), "off0": off, "off1": off * 8,
+                 "off2": off * 64, "off3": off * 256},
+                {"audio": (np.float32, T * p.spec("HOP"))})["audio"]
+    return [audio[off[i] * 256:off[i + 1] * 256] for i in range(len(spans))]
+
+
+def test_vocode_windows_with_context_equal_the_whole_decode(prepared):
+    """The speech engine's windows (a short first one, then long ones), each widened by the
+    package's CONTEXT frames and cut back to its own samples, give exactly the samples of
+    the whole sentence decoded at once; without the context they would not."""
+    from loom import speech
+    rng = np.random.default_rng(7)
+    z = (rng.standard_normal((300, prepared.spec("INTER"))) * 2).astype(np.float32)
+    [whole] = vocode_windows(prepared, z, [(0, len(z))])
+    cuts = speech.windows(len(z), True)
+    assert cuts == [(0, 32), (32, 288), (288, 300)]
+    for context, exact in ((prepared.spec("CONTEXT"), True), (0, False)):
+        spans = [(max(0, a - context), min(len(z), b + context)) for a, b in cuts]
+        parts = vocode_windows(prepared, z, spans)
+        joined = np.concatenate([part[(a - lo) * 256:(b - lo) * 256] for part, (a, b), (lo, _) in zip(parts, cuts, spans)])
+        assert joined.shape == whole.shape
+        assert np.array_equal(joined, whole) == exact, (context, float(np.abs(joined - whole).max()))
