@@ -52,7 +52,7 @@ SENTENCE_IDS = 1024        # phoneme ids per sentence (a longer one is refused, 
 BATCH = 8                  # sentences per step
 FIRST_WINDOW = 32          # latent frames of a request's first vocode window (0.37 s at 22050 Hz, hop 256)
 WINDOW = 256               # latent frames of every later window
-VOCODE_FRAMES = 1024       # latent frames (context included) per vocode step: bounds its scratch
+VOCODE_FRAMES = 320        # latent frames (context included) per vocode step: its activations stay in cache
 ENCODED_FORMATS = ("mp3", "opus", "aac", "flac", "wav")
 
 SPEC = Obj({

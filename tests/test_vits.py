@@ -242,14 +242,15 @@ def vocode_windows(p, z, spans):
 def test_vocode_windows_with_context_equal_the_whole_decode(prepared):
     """The speech engine's windows (a short first one, then long ones), each widened by the
     package's CONTEXT frames and cut back to its own samples, give exactly the samples of
-    the whole sentence decoded at once; without the context they would not."""
+    the whole sentence decoded at once; with a frame less of context, or none, they would not."""
     from loom import speech
     rng = np.random.default_rng(7)
     z = (rng.standard_normal((300, prepared.spec("INTER"))) * 2).astype(np.float32)
     [whole] = vocode_windows(prepared, z, [(0, len(z))])
     cuts = speech.windows(len(z), True)
     assert cuts == [(0, 32), (32, 288), (288, 300)]
-    for context, exact in ((prepared.spec("CONTEXT"), True), (0, False)):
+    context = prepared.spec("CONTEXT")
+    for context, exact in ((context, True), (context - 1, False), (0, False)):
         spans = [(max(0, a - context), min(len(z), b + context)) for a, b in cuts]
         parts = vocode_windows(prepared, z, spans)
         joined = np.concatenate([part[(a - lo) * 256:(b - lo) * 256] for part, (a, b), (lo, _) in zip(parts, cuts, spans)])
