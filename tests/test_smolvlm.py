@@ -1,0 +1,91 @@
+"""models/smolvlm/vision.loom, SmolVLM's vision side as the image component runs it, against
+the numpy reference (tests/smolvlm_numpy.py) on the default catalog's generated weights."""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cpu_drivers
+from loom import runtime
+from loom.compiler import Compiler, run_now
+from loom.device import Device
+
+import smolvlm_numpy as ref
+
+SOURCE = os.path.join(ROOT, "models", "smolvlm", "vision.loom")
+_gen = importlib.util.spec_from_file_location("smolvlm_generate", os.path.join(ROOT, "models", "smolvlm", "generate.py"))
+generate = importlib.util.module_from_spec(_gen)
+_gen.loader.exec_module(generate)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smolvlm")
+    generate.generate(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def W(folder):
+    return ref.load(folder)
+
+
+@pytest.fixture(scope="module", params=cpu_drivers())
+def prepared(request, folder):
+    dev = Device(request.param)
+    p = runtime.prepare("vision", [SOURCE], os.path.join(folder, "model.safetensors"), {}, dev,
+                        Compiler(dev, run_now))
+    yield p
+    p.release()
+
+
+def project(p, tiles):
+    dev = p.device
+    n = len(tiles)
+    out_rows = n * p.spec("SEQ")
+    bufs = {"tiles": dev.pool.alloc(tiles.nbytes, "test", "workspace", host=np.ascontiguousarray(tiles, np.float32)),
+            "features": dev.pool.alloc(4 * out_rows * p.spec("TEXT_D"), "test", "workspace")}
+    box = {}
+    p.plan_async("project", {"N": n}, lambda plan, error: box.update(plan=plan, error=error))
+    assert box["error"] is None, box["error"]
+    box["plan"].run(bufs).wait()
+    got = dev.download(bufs["features"], np.float32, out_rows * p.spec("TEXT_D")).reshape(out_rows, -1)
+    for buf in bufs.values():
+        buf.release()
+    return got
+
+
+def test_specs_follow_the_checkpoint(prepared, W):
+    v = W.config["vision_config"]
+    assert prepared.spec("D") == v["hidden_size"] and prepared.spec("L") == v["num_hidden_layers"]
+    assert prepared.spec("H") == v["num_attention_heads"] and prepared.spec("F") == v["intermediate_size"]
+    assert prepared.spec("TILE") == v["image_size"] and prepared.spec("PATCH") == v["patch_size"]
+    assert prepared.spec("SCALE") == W.config["scale_factor"]
+    assert prepared.spec("SEQ") == ref.image_seq_len(W.config, W.processor)
+    assert prepared.spec("TEXT_D") == 576
+
+
+def test_tiles_of_an_image_project_as_the_reference(prepared, W):
+    """An image preprocessed as SmolVLM does (tiles plus the global image), projected in one step:
+    each tile's language rows equal the numpy encoder and connector's."""
+    rng = np.random.default_rng(3)
+    yy, xx = np.mgrid[0:200, 0:300]
+    rgb = np.stack([(xx * 255 // 299), (yy * 255 // 199), rng.integers(0, 256, (200, 300))], -1).astype(np.uint8)
+    tiles, rows, cols = ref.preprocess(rgb, "high", W.preprocessor)
+    assert len(tiles) == rows * cols + 1 > 2
+    want = ref.connector(W, ref.vision_encoder(W, tiles), W.config["scale_factor"]).reshape(-1, 576)
+    got = project(prepared, tiles)
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    print(f"{len(tiles)} tiles: max error {err:.2e} of scale {scale:.3f}")
+    assert err <= 1e-5 * scale      # float32 sums of at most 768 terms; the reference rounds alike
+
+
+def test_a_tile_projects_the_same_alone_and_beside_others(prepared, W):
+    """Tiles never see each other: one tile's rows are the same alone as in a step of three."""
+    rng = np.random.default_rng(5)
+    tiles = rng.uniform(-1, 1, (3, 3, prepared.spec("TILE"), prepared.spec("TILE"))).astype(np.float32)
+    seq = prepared.spec("SEQ")
+    together = project(prepared, tiles)
+    alone = project(prepared, tiles[1:2])
+    np.testing.assert_allclose(together[seq:2 * seq], alone, rtol=0, atol=1e-6 * float(np.abs(alone).max()))
