@@ -98,14 +98,21 @@ def _residency_target(server, request):
 
 def activate_model(server, request):
     reg, component = _residency_target(server, request)
-    reg.deactivate_when_idle = False
-    server.registry.activate(reg)
+    if component == "primary":
+        reg.deactivate_when_idle = False
+        server.registry.activate(reg)
+    else:
+        server.registry.activate_component(reg, component)
     return Response.json({"model": reg.name, "component": component, "operation": "activate"}, 202)
 
 
 def deactivate_model(server, request):
     reg, component = _residency_target(server, request)
-    if reg.in_flight or reg.restoring is not None:
+    if component != "primary":
+        # No request projects images yet (chat's image parts are the next step of issue 20),
+        # so an extra component has no users to wait for: it leaves at once.
+        server.registry.deactivate_component(reg, component)
+    elif reg.in_flight or reg.restoring is not None:
         reg.deactivate_when_idle = True   # after the drained work finishes
     else:
         server.registry.deactivate(reg)
@@ -116,7 +123,12 @@ def _pinning(server, request, pinned):
     body = request.json(COMPONENT)
     reg = _registration(server, body["model"])
     component = _component(reg, body)
-    reg.pinned = pinned
+    if component == "primary":
+        reg.pinned = pinned
+    elif pinned:
+        reg.pinned_components.add(component)
+    else:
+        reg.pinned_components.discard(component)
     return Response.json({"model": reg.name, "component": component, "pinned": pinned})
 
 

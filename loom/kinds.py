@@ -15,6 +15,9 @@ never branches on a kind's name. What a kind says about itself:
     check(prepared)        raises a Problem when the prepared package cannot serve this kind
                            (the registration fails with its code and message)
     components(prepared)   its residency components ("primary", and e.g. "image")
+    contracts              {component name: Component} a document may add to "primary" (the
+                           text kind's "image"): each its own package and checkpoint, prepared,
+                           checked and proven with the deployment
     capability(reg)        the fields it adds to the "loom" object of /v1/models
     start(reg, loop)       the engine (a scheduler.CohortEngine) serving the prepared registration
 
@@ -27,12 +30,27 @@ from .errors import Error
 from .http import Deferred, Response
 
 
+class Component:
+    """What a kind asks of an extra component's package (the document's "components"):
+    the probes its stages compile and trial-run at, and check(primary, component), which
+    raises a Problem when the two cannot serve together."""
+    probes = ()
+    inputs = ()         # the input modalities it adds to the deployment's
+
+    def trial(self, binding, command, geometry):
+        return None
+
+    def check(self, primary, component):
+        pass
+
+
 class Kind:
     name = None
     endpoint = None
     routes = ()
     inputs, outputs = (), ()
     probes = ()
+    contracts = {}
 
     def options(self, doc, options):
         return options
@@ -44,7 +62,12 @@ class Kind:
         pass
 
     def components(self, prepared):
-        return ("primary",)
+        return ("primary",) + (tuple(prepared.components) if prepared is not None else ())
+
+    def input_modalities(self, prepared):
+        extra = [m for name in (prepared.components if prepared is not None else ())
+                 for m in self.contracts[name].inputs]
+        return list(self.inputs) + [m for m in extra if m not in self.inputs]
 
     def capability(self, reg):
         return {}

@@ -17,7 +17,7 @@ import time
 
 from . import jsonin, language, open_regular, proving, runtime, tokenizer
 from .errors import Error, Problem
-from .jsonin import Arr, Bool, Enum, Int, Num, Obj, Str
+from .jsonin import Arr, Bool, Enum, Int, Map, Num, Obj, Str
 
 log = logging.getLogger("loom.registry")
 
@@ -56,6 +56,11 @@ def document_schema(kind_names):
         "variant_capacity": _capacity(1 << 10),
         "step_timeout": Num(lo=0.001, hi=86400, optional=True),
         "options": Obj(None, optional=True),
+        # Extra components (the text kind's "image"), each a package of its own; which
+        # names a kind takes is checked at register (Kind.contracts).
+        "components": Map(Obj({"sources": Arr(Str(min_len=1, max_len=4096), min_len=1, max_len=64),
+                               "checkpoint": Str(min_len=1, max_len=4096),
+                               "options": Obj(None, optional=True)}), max_len=8, optional=True),
     })
 
 
@@ -90,18 +95,29 @@ class Files:
 
     def __init__(self, doc, base, package):
         self.checkpoint = runtime.resolve(base, doc["checkpoint"])
-        self.sources, self.loaded, self.preserved = [], [], []
+        self.preserved = []
         for role in ("prepare", "control"):
             if role in doc:
                 self.preserved.append((role, *self._code(doc[role], base, package, role)))
-        for i, ref in enumerate(doc["sources"]):
-            path, data = self._code(ref, base, package, f"sources[{i}]")
-            if data is None:
-                self.sources.append(path)
-            else:
-                self.loaded.append((path, data))
+        self.sources, self.loaded = self._modules(doc["sources"], base, package, "sources")
+        # name -> (sources, loaded, checkpoint) of each extra component's package
+        self.components = {name: (*self._modules(c["sources"], base, package, f"components.{name}.sources"),
+                                  runtime.resolve(base, c["checkpoint"]))
+                           for name, c in doc.get("components", {}).items()}
         self.assets = self._assets(doc, base, package)
         self.includes = self.include_reader(base, package)
+
+    @classmethod
+    def _modules(cls, refs, base, package, param):
+        """(server paths, [(path, bytes)] of uploaded members) of a list of source references."""
+        paths, loaded = [], []
+        for i, ref in enumerate(refs):
+            path, data = cls._code(ref, base, package, f"{param}[{i}]")
+            if data is None:
+                paths.append(path)
+            else:
+                loaded.append((path, data))
+        return paths, loaded
 
     @staticmethod
     def include_reader(base, package):
@@ -172,6 +188,7 @@ class Registration:
         # which may run on a preparation thread.
         self.lock = threading.Lock()
         self.pinned = False
+        self.pinned_components = set()   # extra components (a text model's "image") pinned on their own
         self.last_used = time.monotonic()
         self.restoring = None       # callbacks waiting for parameters to return
         # Admission: jobs waiting at the gate (drained, FIFO) and jobs admitted.
@@ -208,7 +225,7 @@ class Registration:
         if p is not None and p.variants:
             loom["variants"] = {"selected": p.selected, "count": len(p.variants)}
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "local",
-                "input_modalities": list(self.kind.inputs), "output_modalities": list(self.kind.outputs),
+                "input_modalities": self.kind.input_modalities(p), "output_modalities": list(self.kind.outputs),
                 "loom": loom}
 
     def status(self):
@@ -220,7 +237,10 @@ class Registration:
             "requests": {"in_flight": len(self.jobs), "waiting": len(self.waiting),
                          "pending_capacity": self.doc["pending_capacity"]},
             "resources": {"param_bytes": p.param_bytes() if p else 0, "plans": len(p.plans) if p else 0,
-                          "resident": bool(p and p.resident), "pinned": self.pinned},
+                          "resident": bool(p and p.resident), "pinned": self.pinned,
+                          "components": {name: {"param_bytes": part.param_bytes(), "resident": part.resident,
+                                                "pinned": name in self.pinned_components}
+                                         for name, part in (p.components.items() if p else ())}},
             "variants": {"selected": p.selected, "count": len(p.variants)} if p is not None and p.variants else None,
             "batching": {k: engine[k] for k in ("cohorts", "requests")} if engine else None,
             "scheduler": engine,
@@ -236,14 +256,16 @@ class ProbeFailed(Problem):
         self.result = result     # the failed BuildResult, for compile
 
 
-def compile_probes(reg, prepared, binding, sources, done):
-    """Plan and build the kind's probe geometries for `binding`, then trial-run them in
-    the proving ground (proving.py): done(failure, results) once, with failure None or
-    a ProbeFailed, results every BuildResult seen."""
+def compile_probes(reg, prepared, binding, sources, done, probes=None, trial=None):
+    """Plan and build the kind's probe geometries (or a component's `probes`, with its
+    `trial`) for `binding`, then trial-run them in the proving ground (proving.py):
+    done(failure, results) once, with failure None or a ProbeFailed, results every
+    BuildResult seen."""
+    probes, trial = (reg.kind.probes, reg.kind.trial) if probes is None else (probes, trial)
     try:
-        layouts = [binding.plan(command, **geometry) for command, geometry in reg.kind.probes]
-        trials = [(command, geometry, *io) for command, geometry in reg.kind.probes
-                  if (io := reg.kind.trial(binding, command, geometry)) is not None]
+        layouts = [binding.plan(command, **geometry) for command, geometry in probes]
+        trials = [(command, geometry, *io) for command, geometry in probes
+                  if (io := trial(binding, command, geometry)) is not None]
     except runtime.LoomError as e:
         done(ProbeFailed("plan", str(e)), [])
         return
@@ -373,6 +395,11 @@ class Registry:
         if kind is None:
             raise Error(400, f"kind {doc['kind']!r} has no implementation in this build "
                              f"(served kinds: {', '.join(self.kinds)})", "unsupported_kind", "kind")
+        for component in doc.get("components", {}):
+            if component not in kind.contracts:
+                offered = ", ".join(kind.contracts) or "none"
+                raise Error(400, f"a {kind.name} deployment takes no {component!r} component (it takes: {offered})",
+                            "unsupported_value", f"components.{component}")
         if doc["model"] in self.registrations:
             raise Error(409, f"model {doc['model']!r} is already registered", "duplicate_model", "model")
         cfg = self.server.config
@@ -388,8 +415,10 @@ class Registry:
         base = doc.get("base_directory") or base_directory
         if base is not None and not os.path.isabs(base):
             raise Error(400, "base_directory must be an absolute path", "invalid_value", "base_directory")
-        located = [doc["checkpoint"]] + ([] if package else [doc[f] for f in ("prepare", "control", "assets")
-                                                              if f in doc] + doc["sources"])
+        components = doc.get("components", {}).values()
+        located = [doc["checkpoint"]] + [c["checkpoint"] for c in components] + (
+            [] if package else [doc[f] for f in ("prepare", "control", "assets") if f in doc] + doc["sources"]
+            + [ref for c in components for ref in c["sources"]])
         if base is None and any(not os.path.isabs(p) for p in located):
             raise Error(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
         files = Files(doc, base, package)
@@ -431,6 +460,12 @@ class Registry:
                                        assets=files.assets, includes=files.includes)
             try:
                 reg.kind.check(prepared)
+                for name, (sources, loaded, checkpoint) in files.components.items():
+                    component_options = dict(reg.doc["components"][name].get("options") or {})
+                    part = runtime.prepare(f"{reg.name}/{name}", sources, checkpoint, component_options, device,
+                                           self.compiler, loaded=loaded, includes=files.includes)
+                    prepared.components[name] = part
+                    reg.kind.contracts[name].check(prepared, part)
             except BaseException:
                 prepared.release()
                 raise
@@ -489,7 +524,18 @@ class Registry:
             if reg.removing:
                 self._remove(reg)
 
-        compile_probes(reg, prepared, prepared.binding, prepared.sources, probed)
+        steps = [(prepared, reg.kind.probes, reg.kind.trial)] + [
+            (part, reg.kind.contracts[name].probes, reg.kind.contracts[name].trial)
+            for name, part in prepared.components.items()]
+
+        def next_step(failure, results):
+            if failure is not None or not steps:
+                probed(failure, results)
+                return
+            part, probes, trial = steps.pop(0)
+            compile_probes(reg, part, part.binding, part.sources, next_step, probes, trial)
+
+        next_step(None, [])
 
     def _ready(self, reg, prepared):
         if reg.deadline is not None:
@@ -631,17 +677,41 @@ class Registry:
                  extra={"event": "deactivated", "model": reg.name, "bytes": freed})
         return freed
 
+    def activate_component(self, reg, name, done=None):
+        """Stream an extra component's evicted parameters back from its own checkpoint
+        (on a worker); done(error) on the loop. Only that component's weights move."""
+        part = reg.prepared.components[name]
+        if part.resident:
+            if done:
+                done(None)
+            return
+        log.info("activating %s/%s", reg.name, name, extra={"event": "activating", "model": reg.name,
+                                                            "component": name})
+        self.server.loop.run_in_executor(lambda: part.restore(reg.files.components[name][2]),
+                                         lambda _result, error: done(error) if done else None)
+
+    def deactivate_component(self, reg, name):
+        """Evict an extra component's parameters (the primary's stay); returns the bytes freed."""
+        with reg.lock:
+            part = reg.prepared.components.get(name) if reg.prepared is not None else None
+            freed = part.evict() if part is not None else 0
+        log.info("deactivated %s/%s: %d bytes", reg.name, name, freed,
+                 extra={"event": "deactivated", "model": reg.name, "component": name, "bytes": freed})
+        return freed
+
     def _evict_for(self, needed, requester):
         """The pool's evictor: least recently used, unpinned, idle parameters of
-        other deployments leave the device until `needed` bytes are free."""
+        other deployments (their extra components first) leave the device until
+        `needed` bytes are free."""
         freed = 0
         candidates = sorted((r for r in list(self.registrations.values())
-                             if r.name != requester and not r.pinned and r.prepared is not None),
-                            key=lambda r: r.last_used)
+                             if r.name != requester and r.prepared is not None), key=lambda r: r.last_used)
         for reg in candidates:
-            if freed >= needed:
-                break
-            freed += self.deactivate(reg)
+            for name in reg.prepared.components:
+                if freed < needed and name not in reg.pinned_components:
+                    freed += self.deactivate_component(reg, name)
+            if freed < needed and not reg.pinned:
+                freed += self.deactivate(reg)
         return freed
 
     # -- admission -----------------------------------------------------------

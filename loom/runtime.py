@@ -161,6 +161,7 @@ class Prepared:
         self.selecting = None         # a selection waiting for the safe execution boundary
         self.tokenizer = None         # from the asset directory or the checkpoint, when either has one
         self.preserved = []           # (role, name, bytes) of the prepare and control modules variants keep
+        self.components = {}          # name -> Prepared: a document's extra components (a text model's "image")
 
     @property
     def policy(self):
@@ -274,7 +275,10 @@ class Prepared:
                 raise
 
     def release(self):
-        """Free everything this deployment holds on the device, and its variants' pins."""
+        """Free everything this deployment holds on the device (its components too), and its variants' pins."""
+        for part in self.components.values():
+            part.release()
+        self.components.clear()
         for variant in self.variants.values():
             variant.unpin(self.compiler)
         self.evict()

@@ -234,7 +234,8 @@ class Engine(CohortEngine):
         self.kick()
 
     def backlog(self):
-        return 0
+        """Requests that have not had a step yet: what pending_capacity bounds."""
+        return sum(1 for job in self.jobs if job.current.index == 0 and job.current.state == "encode")
 
     def stats(self):
         return dict(super().stats(), active=len(self.jobs))

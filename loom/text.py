@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from . import kinds, registry
+from . import kinds, registry, vision
 from .chat import ChatPolicy, StopText, ToolCallError
 from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
@@ -881,6 +881,7 @@ class Text(kinds.Kind):
     ]
     inputs, outputs = ["text"], ["text"]
     probes = [("advance", {"T": 1, "R": 1})]
+    contracts = {"image": vision.IMAGE}
 
     def trial(self, binding, command, geometry):
         inputs = trial_pages(binding, geometry["T"], geometry["R"])
@@ -893,9 +894,6 @@ class Text(kinds.Kind):
         page = options.setdefault("page_size", 16)
         options.setdefault("pages", doc["rows"] * -(-options["context_length"] // page))
         return options
-
-    def components(self, prepared):
-        return ("primary", "image") if prepared is not None and prepared.policy.get("image_input") else ("primary",)
 
     def capability(self, reg):
         p = reg.prepared
@@ -924,14 +922,12 @@ class KnownTokens(Text):
     inputs, outputs = ["tokens"], ["tensor"]
     probes = [("encode", {"T": 1})]
     stage = "encode"
+    contracts = {}
 
     def trial(self, binding, command, geometry):
         inputs = trial_pages(binding, geometry["T"], 1)
         del inputs["last"]
         return inputs, {"out": (np.uint8, geometry["T"] * binding.specs["SEQUENCE_BYTES"])}
-
-    def components(self, prepared):
-        return ("primary",)
 
     def capability(self, reg):
         loom = super().capability(reg)

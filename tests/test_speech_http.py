@@ -182,3 +182,17 @@ def test_concurrent_requests_and_a_client_that_never_reads(server):
             break
         time.sleep(0.2)
     assert active == 0
+
+
+def test_backlog_counts_only_requests_that_have_not_had_a_step():
+    """pending_capacity bounds speech requests accepted but not yet started: a request counts
+    until its first sentence has been encoded, never after (unit level: the engine's count)."""
+    from collections import deque
+    from types import SimpleNamespace as NS
+    from loom import speech as engine_module
+    engine = engine_module.Engine.__new__(engine_module.Engine)
+    states = [(0, "encode"), (0, "encode-running"), (0, "latents"), (1, "encode"), (0, "encode"), (2, "vocode")]
+    engine.jobs = deque(NS(current=NS(index=i, state=s)) for i, s in states)
+    assert engine.backlog() == 2
+    engine.jobs.clear()
+    assert engine.backlog() == 0

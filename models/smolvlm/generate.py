@@ -44,7 +44,7 @@ ADDED_TOKENS = {"<global-img>": 49152,
                 "<fake_token_around_image>": 49189, "<image>": 49190, "<end_of_utterance>": 49279}
 
 
-def config(seed=0):
+def config(seed=0, text_hidden=TEXT_HIDDEN):
     return {
         "architectures": ["Idefics3ForConditionalGeneration"],
         "model_type": "idefics3",
@@ -55,7 +55,7 @@ def config(seed=0):
                           "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_channels": 3,
                           "patch_size": PATCH, "image_size": TILE, "hidden_act": "gelu_pytorch_tanh",
                           "layer_norm_eps": LAYER_NORM_EPS},
-        "text_config": {"model_type": "llama", "hidden_size": TEXT_HIDDEN, "intermediate_size": 1536,
+        "text_config": {"model_type": "llama", "hidden_size": text_hidden, "intermediate_size": 1536,
                         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                         "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
                         "rope_theta": 100000.0, "tie_word_embeddings": True},
@@ -73,7 +73,7 @@ def preprocessor_config():
             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True}
 
 
-def tensors(seed=0):
+def tensors(seed=0, text_hidden=TEXT_HIDDEN):
     """{HF name: float32 array}, drawn in a fixed order from default_rng(seed). Matrices have
     1/sqrt(fan_in) deviations (activations keep unit scale), LayerNorm gains 1 +- 0.1, small
     biases, positions 0.3, the projection TEXT_EMBED_RMS / sqrt(fan_in)."""
@@ -105,7 +105,7 @@ def tensors(seed=0):
         dense(layer + "mlp.fc2", HIDDEN, FFN)
     norm(v + "post_layernorm")
     shuffled = HIDDEN * SCALE * SCALE
-    out["model.connector.modality_projection.proj.weight"] = normal((TEXT_HIDDEN, shuffled),
+    out["model.connector.modality_projection.proj.weight"] = normal((text_hidden, shuffled),
                                                                     TEXT_EMBED_RMS * shuffled ** -0.5)
     return out
 
@@ -135,12 +135,13 @@ def _json_bytes(obj):
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def generate(out_dir, seed=0):
-    """Write the five files into `out_dir` (created); returns out_dir."""
+def generate(out_dir, seed=0, text_hidden=TEXT_HIDDEN):
+    """Write the five files into `out_dir` (created); returns out_dir. `text_hidden`: the
+    decoder's embedding width the projection targets (the tests' tiny text model: 128)."""
     os.makedirs(out_dir, exist_ok=True)
     meta = {"format": "pt", "generator": "loom models/smolvlm/generate.py", "seed": str(seed)}
-    _write(os.path.join(out_dir, "model.safetensors"), safetensors_bytes(tensors(seed), meta))
-    _write(os.path.join(out_dir, "config.json"), _json_bytes(config(seed)))
+    _write(os.path.join(out_dir, "model.safetensors"), safetensors_bytes(tensors(seed, text_hidden), meta))
+    _write(os.path.join(out_dir, "config.json"), _json_bytes(config(seed, text_hidden)))
     _write(os.path.join(out_dir, "preprocessor_config.json"), _json_bytes(preprocessor_config()))
     _write(os.path.join(out_dir, "processor_config.json"),
            _json_bytes({"image_seq_len": SEQ, "processor_class": "Idefics3Processor"}))
