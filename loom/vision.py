@@ -12,7 +12,12 @@ Its stage contract:
         features: float32 [N * SEQ, TEXT_D], each tile's rows of language-model input.
 
 specs CH, TILE, SEQ (positions per tile) and TEXT_D, which must equal the primary
-package's embedding width D.
+package's embedding width D. The primary package then needs the stage
+
+    advance_media(tokens, pos, row_of, pages, last, features, feature_at, logits, T, R)
+
+advance with rows of `features` (float32 [*, D]) as the inputs of the positions t
+where feature_at[t] >= 0 (int32 [T]; -1 keeps the token's embedding).
 """
 
 import numpy as np
@@ -21,6 +26,7 @@ from . import kinds
 from .errors import Problem
 
 STAGE = "project"
+MEDIA_STAGE = "advance_media"     # the primary package's way in for features
 
 
 class ImageInput(kinds.Component):
@@ -33,6 +39,8 @@ class ImageInput(kinds.Component):
                 {"features": (np.float32, n * s["SEQ"] * s["TEXT_D"])})
 
     def check(self, primary, component):
+        if MEDIA_STAGE not in {c.name for c in primary.module.commands}:
+            raise Problem(f"the text package has no {MEDIA_STAGE!r} command to take image features", "contract")
         commands = {c.name for c in component.module.commands}
         if STAGE not in commands:
             raise Problem(f"the image component's package has no {STAGE!r} command (it has: "

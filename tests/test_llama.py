@@ -636,3 +636,28 @@ def test_encode_writes_the_kv_cache_advance_continues(sequence_models, arch, dty
             assert np.abs(logits - whole).max() <= 1e-5 * np.abs(whole).max(), (n, np.abs(logits - whole).max())
         want_n = forward(weights, arch, tokens, fmt, act_q8=steps)
         assert np.abs(logits - want_n).max() <= rel_tol(dtype) * np.abs(want_n).max(), n
+
+
+def test_features_at_positions_equal_the_tokens_they_replace(device, tmp_path):
+    """advance_media, the image component's way in: rows of features placed at some positions
+    (their token ids out of the vocabulary, as image positions are) give the same logits and
+    KV cache as advance on the tokens whose embeddings those rows are, bit for bit."""
+    prepared, weights = prepared_model(device, tmp_path, "llama", "F32", 5)
+    try:
+        tokens = [3, 17, 9, 41, 5, 28, 11]
+        media = [1, 2, 3, 5]                                # positions fed as features
+        want = Rows(prepared, 1).step([(0, tokens)])[0]
+        rows = Rows(prepared, 1)
+        host = rows._pack([(0, [V + 7 if i in media else t for i, t in enumerate(tokens)])])
+        host["features"] = np.ascontiguousarray(weights["token_embd.weight"][[tokens[i] for i in media]], np.float32)
+        host["feature_at"] = np.array([media.index(i) if i in media else -1 for i in range(len(tokens))], np.int32)
+        got = rows._run("advance_media", {"T": len(tokens), "R": 1}, host, "logits", 4 * V).view(np.float32)
+        np.testing.assert_array_equal(got, want)
+        assert np.abs(got).max() > 0
+        # Without the features those positions would be zeros: the logits differ.
+        host["feature_at"][:] = -1
+        rows = Rows(prepared, 1)
+        blank = rows._run("advance_media", {"T": len(tokens), "R": 1}, host, "logits", 4 * V).view(np.float32)
+        assert not np.array_equal(blank, want)
+    finally:
+        prepared.release()
