@@ -20,13 +20,115 @@ advance with rows of `features` (float32 [*, D]) as the inputs of the positions 
 where feature_at[t] >= 0 (int32 [T]; -1 keeps the token's embedding).
 """
 
+import math
+
 import numpy as np
+from PIL import Image
 
 from . import kinds
 from .errors import Problem
 
 STAGE = "project"
 MEDIA_STAGE = "advance_media"     # the primary package's way in for features
+
+
+DETAILS = ("auto", "low", "high")
+RESAMPLE = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC}
+MAX_RESIZED = 4096      # the processor's cap on either edge after its first resize
+
+
+class Processor:
+    """SmolVLM's image processing (Idefics3ImageProcessor) under the checkpoint's
+    preprocessor_config.json, and the package's detail policy: `low` is the global image
+    alone (one tile), `high` the processor's split (rows x cols tiles, then the global
+    image), `auto` high when the image is larger than one tile. Runs on the CPU executor."""
+
+    def __init__(self, config, tile):
+        self.config, self.tile = dict(config or {}), tile
+        self.longest = self.config.get("size", {}).get("longest_edge", tile)
+        self.resample = RESAMPLE.get(self.config.get("resample", 1), Image.LANCZOS)
+        self.splitting = self.config.get("do_image_splitting", True)
+        self.scale = float(self.config.get("rescale_factor", 1 / 255))
+        self.mean = np.asarray(self.config.get("image_mean", [0.5] * 3), np.float64)
+        self.std = np.asarray(self.config.get("image_std", [0.5] * 3), np.float64)
+
+    def tiles(self, pixels, detail):
+        """RGB8 or straight-alpha RGBA8 [H, W, C] -> (float32 [N, 3, TILE, TILE], rows, cols):
+        tiles row-major and the global image last (N = rows * cols + 1), or the global image
+        alone (N = 1, rows = cols = 0)."""
+        img = Image.fromarray(_flatten_alpha(pixels))
+        height, width = pixels.shape[:2]
+        split = self.splitting and (detail == "high" or (detail == "auto" and max(height, width) > self.tile))
+        if self.config.get("do_resize", True):
+            img = self._resize(img, *_fit_longest(height, width, self.longest))
+        frames, rows, cols = [], 0, 0
+        if split:
+            img = self._resize(img, *_tile_multiple(img.height, img.width, self.tile))
+            if img.height > self.tile or img.width > self.tile:
+                rows, cols = img.height // self.tile, img.width // self.tile
+                frames = [img.crop((c * self.tile, r * self.tile, (c + 1) * self.tile, (r + 1) * self.tile))
+                          for r in range(rows) for c in range(cols)]
+        frames.append(self._resize(img, self.tile, self.tile))         # the global image
+        return np.stack([self._normalize(f) for f in frames]), rows, cols
+
+    def _resize(self, img, height, width):
+        return img if (img.height, img.width) == (height, width) else img.resize((width, height), self.resample)
+
+    def _normalize(self, img):
+        x = np.asarray(img, np.float64) * self.scale
+        return ((x - self.mean) / self.std).transpose(2, 0, 1).astype(np.float32)
+
+
+def _flatten_alpha(pixels):
+    """Straight alpha composited onto white, as the processor's convert_to_rgb does."""
+    if pixels.shape[-1] == 3:
+        return np.ascontiguousarray(pixels)
+    c, a = pixels[..., :3].astype(np.int64), pixels[..., 3:].astype(np.int64)
+    return ((c * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
+
+
+def _fit_longest(height, width, longest):
+    """The processor's first resize: the longest edge to `longest`, the other by the aspect
+    ratio (truncated, then made even), both then kept under MAX_RESIZED."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > MAX_RESIZED:
+        width, height = MAX_RESIZED, int(MAX_RESIZED / aspect)
+    elif height > width and height > MAX_RESIZED:
+        height, width = MAX_RESIZED, int(MAX_RESIZED * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _tile_multiple(height, width, tile):
+    """The longer edge rounded up to a multiple of the tile, the other from the aspect ratio, rounded up too."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
+
+
+def prompt_pieces(rows, cols, seq):
+    """What the processor puts in place of one image, as (text, is_image) pieces: the
+    markers are text the tokenizer encodes (SmolVLM's added tokens where it has them),
+    each is_image piece one image position, SEQ of them per tile, in tile order."""
+    fake, image = "<fake_token_around_image>", [("", True)] * seq
+    pieces = []
+    for r in range(1, rows + 1):
+        for c in range(1, cols + 1):
+            pieces += [(f"{fake}<row_{r}_col_{c}>", False)] + image
+        pieces.append(("\n\n" if r == rows else "\n", False))
+    return pieces + [(f"{fake}<global-img>", False)] + image + [(fake, False)]
 
 
 class ImageInput(kinds.Component):
@@ -52,6 +154,12 @@ class ImageInput(kinds.Component):
         if width != expected:
             raise Problem(f"the image component projects to {width} channels; the text model's embeddings "
                           f"have {expected}", "contract")
+        config = component.binding.metadata.get("preprocessor") or {}
+        tile = config.get("max_image_size", {}).get("longest_edge", component.spec("TILE"))
+        if tile != component.spec("TILE"):
+            raise Problem(f"preprocessor_config.json cuts {tile}-pixel tiles; the vision tower takes "
+                          f"{component.spec('TILE')}", "contract")
+        component.processor = Processor(config, tile)
 
 
 IMAGE = ImageInput()

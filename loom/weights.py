@@ -677,6 +677,10 @@ def _read_safetensors(path: str, index: bool) -> Checkpoint:
         config_path = os.path.join(folder, "config.json")
         if os.path.isfile(config_path):
             metadata["config"] = _read_json_file(config_path, "config.json")
+        # A vision model's image processing settings (SmolVLM's Idefics3ImageProcessor).
+        processor_path = os.path.join(folder, "preprocessor_config.json")
+        if os.path.isfile(processor_path):
+            metadata["preprocessor"] = _read_json_file(processor_path, "preprocessor_config.json")
     except BaseException:
         for buf in maps.values():
             _release(buf)
@@ -1263,7 +1267,8 @@ class Checkpoint:
     ``format``: "gguf", "safetensors", "ctranslate2" or "onnx". ``metadata``: GGUF key/values as Python
     values (arrays as lists); for safetensors ``{"__metadata__": {...}}`` (shards'
     maps merged, which must agree), ``"index"``: the index's own ``metadata`` when
-    sharded, and ``"config"``: a ``config.json`` beside the files when there is one;
+    sharded, and ``"config"``: a ``config.json`` beside the files when there is one
+    (``"preprocessor"``: likewise a ``preprocessor_config.json``);
     for CTranslate2 the binary version, spec name and revision, ``"aliases"``
     (alias -> variable; each alias is also a tensor sharing its target's bytes) and
     ``"config"``; for ONNX ``ir_version``, ``opset`` (domain -> version), ``producer``,

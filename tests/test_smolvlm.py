@@ -89,3 +89,25 @@ def test_a_tile_projects_the_same_alone_and_beside_others(prepared, W):
     together = project(prepared, tiles)
     alone = project(prepared, tiles[1:2])
     np.testing.assert_allclose(together[seq:2 * seq], alone, rtol=0, atol=1e-6 * float(np.abs(alone).max()))
+
+
+@pytest.mark.parametrize("size", [(200, 300), (90, 60), (128, 128), (37, 500), (640, 480)])
+@pytest.mark.parametrize("detail", ["auto", "low", "high"])
+def test_the_servers_image_processing_equals_smolvlms(W, size, detail):
+    """loom/vision.py's Processor (Pillow's resampler) against the reference's integer
+    re-implementation of SmolVLM's processor: the same tiles, grid and order, pixels within
+    one 8-bit level (Pillow 13 may run its two passes in the other order); and the prompt
+    pieces spell the processor's text."""
+    from loom import vision
+    rng = np.random.default_rng(size[0] * size[1])
+    rgba = rng.integers(0, 256, (*size, 4), dtype=np.uint8)
+    proc = vision.Processor(W.preprocessor, ref.vision_config(W.config)["image_size"])
+    got, rows, cols = proc.tiles(rgba, detail)
+    want, want_rows, want_cols = ref.preprocess(ref.flatten_alpha(rgba), detail, W.preprocessor)
+    assert (rows, cols) == (want_rows, want_cols) and got.shape == want.shape and got.dtype == np.float32
+    level = W.preprocessor["rescale_factor"] / W.preprocessor["image_std"][0]
+    assert float(np.abs(got - want).max()) <= level * 1.001
+    seq = ref.image_seq_len(W.config, W.processor)
+    text = "".join("<image>" if is_image else piece for piece, is_image in vision.prompt_pieces(rows, cols, seq))
+    assert text == "".join(ref.prompt_tokens(rows, cols, seq))
+    assert sum(is_image for _, is_image in vision.prompt_pieces(rows, cols, seq)) == len(got) * seq
