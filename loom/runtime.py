@@ -387,7 +387,8 @@ class ExecPlan:
         self.executables = []
 
 
-def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None, on_submit=None):
+def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None, on_submit=None, keep=(),
+              bound=None):
     """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
     `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
     The loop only allocates and plans: the device's submission thread enqueues the
@@ -395,13 +396,18 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
     loop never blocks on the device, not even in a driver's enqueue. With
     `after(buffers) -> (transfers, cleanup)` more work is queued behind the plan on
     the submission thread (sampling), and its transfers are the step's results.
-    on_submit() runs on the loop once the step is handed over (its deadline starts)."""
+    on_submit() runs on the loop once the step is handed over (its deadline starts).
+    Outputs named in `keep` stay on the device: their values are the DeviceBuffers,
+    complete when done runs, which the caller releases. `bound` (name -> DeviceBuffer)
+    are inputs already on the device (a kept output of an earlier step), used as they are."""
     device = prepared.device
     buffers, host = {}, []
+    bound = dict(bound or {})
 
     def finish(values, error):
-        for buf in buffers.values():
-            buf.release()
+        for name, buf in buffers.items():
+            if error is not None or name not in keep:
+                buf.release()
         host.clear()
         done(values, error)
 
@@ -419,10 +425,11 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
         """On the submission thread: nothing here waits for the device."""
         for name, array in inputs.items():
             device.upload_async(buffers[name], array)
-        plan.run(buffers)
+        event = plan.run(dict(buffers, **bound))
         if after is not None:
             return after(buffers)
-        return {name: device.download_async(buffers[name], dtype, count)
+        return {name: (_Kept(event, buffers[name]) if name in keep else
+                       device.download_async(buffers[name], dtype, count))
                 for name, (dtype, count) in outputs.items()}, None
 
     def enqueued(result, error):
@@ -450,6 +457,19 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
             on_submit()     # handed to the device: the step's deadline runs from here, JIT excluded
 
     prepared.plan_async(command, geometry, planned)
+
+
+class _Kept:
+    """A kept output of run_stage: its buffer, complete once the plan's last launch is
+    (the queue is in order)."""
+
+    def __init__(self, event, buffer):
+        self.event, self.buffer = event, buffer
+
+    def wait(self):
+        if self.event is not None:
+            self.event.wait()
+        return self.buffer
 
 
 def _run_plan(plan, enqueue):

@@ -20,6 +20,7 @@ advance with rows of `features` (float32 [*, D]) as the inputs of the positions 
 where feature_at[t] >= 0 (int32 [T]; -1 keeps the token's embedding).
 """
 
+import collections
 import math
 
 import numpy as np
@@ -27,6 +28,8 @@ from PIL import Image
 
 from . import kinds
 from .errors import Problem
+from .runtime import run_stage
+from .scheduler import CohortEngine
 
 STAGE = "project"
 MEDIA_STAGE = "advance_media"     # the primary package's way in for features
@@ -35,6 +38,7 @@ MEDIA_STAGE = "advance_media"     # the primary package's way in for features
 DETAILS = ("auto", "low", "high")
 RESAMPLE = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC}
 MAX_RESIZED = 4096      # the processor's cap on either edge after its first resize
+STEP_TILES = 32         # tiles per projection step (a request with more runs alone)
 
 
 class Processor:
@@ -163,3 +167,102 @@ class ImageInput(kinds.Component):
 
 
 IMAGE = ImageInput()
+
+
+# -- projection cohorts --------------------------------------------------------------
+
+
+class Projection:
+    """One request's images on their way through the component: `tiles` float32
+    [N, CH, TILE, TILE] of `images` images; done(features, error) on the loop, with a
+    Features handle on the rows. A request that leaves first sets `gone`: its rows are
+    released as they arrive, and its peers' rows stay theirs."""
+
+    def __init__(self, tiles, images, done):
+        self.tiles, self.images, self.done = tiles, images, done
+        self.gone = False
+
+
+class Features:
+    """Rows [start, start + count) of a projection step's output buffer, [*, TEXT_D] on the
+    device: one request's image positions, in order. The buffer is shared by the step's
+    requests and freed when the last of them releases its rows."""
+
+    def __init__(self, shared, start, count):
+        self._shared, self.start, self.count = shared, start, count
+
+    @property
+    def buffer(self):
+        return self._shared["buffer"]
+
+    def release(self):
+        if self._shared is not None:
+            shared, self._shared = self._shared, None
+            shared["users"] -= 1
+            if shared["users"] == 0:
+                shared["buffer"].release()
+
+
+class ProjectionEngine(CohortEngine):
+    """Tiles of every waiting request through `project`, STEP_TILES at a time, the
+    features kept on the device for the requests' prefills."""
+
+    def __init__(self, component, loop):
+        super().__init__(component, loop)
+        self.queue = collections.deque()
+        self.images = self.tiles = 0        # projected, for /v1/status
+
+    def submit(self, projection):
+        if self.failed:
+            projection.done(None, Problem(self.failed, "step_timeout"))
+            return
+        self.queue.append(projection)
+        self.kick()
+
+    def backlog(self):
+        return len(self.queue)
+
+    def stats(self):
+        return dict(super().stats(), waiting=len(self.queue), images_projected=self.images,
+                    tiles_projected=self.tiles)
+
+    def form(self):
+        work, tiles = [], 0
+        while self.queue:
+            job = self.queue[0]
+            if job.gone:
+                self.queue.popleft()
+                continue
+            if work and tiles + len(job.tiles) > STEP_TILES:
+                break
+            work.append(self.queue.popleft())
+            tiles += len(job.tiles)
+        self.requests += len(work)
+        return work or None
+
+    def launch(self, work, done):
+        p = self.prepared
+        n = sum(len(job.tiles) for job in work)
+        tiles = np.concatenate([job.tiles for job in work]).astype(np.float32, copy=False)
+        run_stage(p, self.loop, STAGE, {"N": n}, {"tiles": tiles.ravel()},
+                  {"features": (np.float32, n * p.spec("SEQ") * p.spec("TEXT_D"))}, done,
+                  keep=("features",), on_submit=self.submitted)
+
+    def apply(self, work, values, error):
+        if error is not None:
+            for job in work:
+                job.done(None, error)
+            return
+        seq = self.prepared.spec("SEQ")
+        shared = {"buffer": values["features"], "users": len(work)}
+        at = 0
+        for job in work:
+            rows = len(job.tiles) * seq
+            features = Features(shared, at, rows)
+            at += rows
+            self.images += job.images
+            self.tiles += len(job.tiles)
+            if job.gone:
+                features.release()
+            else:
+                job.done(features, None)
