@@ -57,8 +57,9 @@ class Sequence:
 
     def __init__(self, prompt, max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=(),
                  on_token=None, on_done=None, ready=None, session=None, checkpoint=None, resume=None,
-                 on_chunk=None, on_start=None, first_output=0):
+                 on_chunk=None, on_start=None, first_output=0, media=None):
         self.prompt = list(prompt)
+        self.media = media        # vision.Media: the prompt's image positions and their features
         self.session = session    # a named history to continue (X-Loom-Session), best effort
         self.checkpoint = checkpoint   # a Checkpoint to start from exactly (X-Loom-Checkpoint)
         self.resume = resume      # a sequence handle's History, claimed at submit: continued exactly
@@ -297,6 +298,7 @@ class TextEngine(CohortEngine):
         self.waiting = collections.deque()
         self.chunk = chunk
         self.token_budget = token_budget
+        self.projection = None               # a ProjectionEngine when the deployment takes images (text.py)
         if stage == "advance":
             self.vocab = prepared.spec("V")
             self.sampler = prepared.compiler.compile(prepared.compiler.library_source("sample"), {"V": self.vocab},
@@ -413,6 +415,8 @@ class TextEngine(CohortEngine):
     def _retire(self, row, reason):
         seq = self.rows[row]
         self.rows[row] = None
+        if seq.media is not None:
+            seq.media.release()
         self.claimed.discard(seq.session)
         table = self.tables[row]
         if reason in ("stop", "length") and seq.session is not None:
@@ -716,12 +720,24 @@ class TextEngine(CohortEngine):
             if seq is not None and seq.cancelled:
                 self._retire(row, seq.cancel_reason)
         self._admit()
-        work, budget = [], self.token_budget
+        work, budget, media = [], self.token_budget, None
         for row, seq in enumerate(self.rows):
             if seq is None or budget <= 0 or seq.cancelled:
                 continue                              # (a row cancelled while forming retires next)
             if seq.fed < len(seq.prompt) and (self.stage == "advance" or seq.ready()):
                 ids = seq.prompt[seq.fed:seq.fed + min(self.chunk, budget)]
+                if seq.media is not None and seq.media.positions and seq.media.positions[-1] >= seq.fed:
+                    if seq.media.error is not None:
+                        seq.error = seq.media.error
+                        self._retire(row, "error")
+                        continue
+                    if seq.media.features is None:    # its images are projected first (once, its own cohort)
+                        seq.media.project(self.projection, self.kick)
+                        continue
+                    if any(seq.fed <= p < seq.fed + len(ids) for p in seq.media.positions):
+                        if media is not None:
+                            continue                  # one request's image rows per step
+                        media = seq
             elif self.stage == "encode":
                 continue                              # sequences: a slow reader's row sits out
             elif seq.pending is not None and seq.ready():
@@ -767,10 +783,28 @@ class TextEngine(CohortEngine):
                   "row_of": np.array([remap[r] for r in row_of], np.int32), "pages": tables.ravel(),
                   "last": np.array(last, np.int32)}
         R = len(work)
-        runtime.run_stage(self.prepared, self.loop, "advance", {"T": len(tokens), "R": R}, inputs,
+        command, bound = "advance", None
+        imaged = [(row, ids) for row, ids in work if self._imaged(self.rows[row], len(ids))]
+        if imaged:
+            # The step's image positions (one request's) take their rows of its features.
+            seq = self.rows[imaged[0][0]]
+            at = []
+            for row, ids in work:
+                start = self.rows[row].fed
+                at += [seq.media.row(start + j) if row == imaged[0][0] else -1 for j in range(len(ids))]
+            command, bound = "advance_media", {"features": seq.media.features.buffer}
+            inputs["feature_at"] = np.array(at, np.int32)
+        runtime.run_stage(self.prepared, self.loop, command, {"T": len(tokens), "R": R}, inputs,
                           {"logits": (np.float32, R * self.vocab)}, done,
                           after=lambda buffers: self._sample(buffers, R, params, seeds),
-                          on_submit=self.submitted)
+                          on_submit=self.submitted, bound=bound)
+
+    @staticmethod
+    def _imaged(seq, n):
+        """Whether this step's n tokens of seq's prompt hold image positions."""
+        media = seq.media
+        return (media is not None and media.features is not None and seq.fed < len(seq.prompt)
+                and any(seq.fed <= p < seq.fed + n for p in media.positions))
 
     def _launch_encode(self, work, done):
         """A cohort of known ids: keys and values into the rows' pages, and each token's
@@ -833,6 +867,8 @@ class TextEngine(CohortEngine):
                 continue
             if seq.fed < len(seq.prompt):
                 seq.fed += len(fed)
+                if seq.media is not None and seq.media.features is not None and seq.fed > seq.media.positions[-1]:
+                    seq.media.release()           # past its images: their rows go back
                 self._capture(seq, row)
                 if seq.fed < len(seq.prompt):
                     continue                      # more prompt to prefill: this logit is not a prediction

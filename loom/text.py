@@ -31,7 +31,7 @@ from . import kinds, registry, vision
 from .chat import ChatPolicy, StopText, ToolCallError
 from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
-from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str
+from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str, Tagged
 from .scheduler import Refused, Sequence, TextEngine, trial_pages
 
 log = logging.getLogger("loom.text")
@@ -123,8 +123,10 @@ def detokenize(server, request):
 # -- POST /v1/chat/completions -------------------------------------------------------
 
 
-TEXT_PART = Obj({"type": Enum(["text"]), "text": Str()})
-CONTENT = OneOf(Str(), Arr(TEXT_PART, min_len=1))
+PART = Tagged("type", {"text": Obj({"text": Str()}),
+                      "image_url": Obj({"image_url": Obj({"url": Str(), "detail": Enum(list(vision.DETAILS),
+                                                                                       optional=True)})})})
+CONTENT = OneOf(Str(), Arr(PART, min_len=1))
 TOOL_CALL = Obj({"id": Str(), "type": Enum(["function"]),
                  "function": Obj({"name": Str(min_len=1), "arguments": Str()})})
 MESSAGE = Obj({"role": Enum(["system", "user", "assistant", "tool"]), "content": OneOf(CONTENT, optional=True,
@@ -230,11 +232,24 @@ def _validated(server, request):
         raise Error(400, f"the messages hold {chars} characters, more than a context of {context} tokens can "
                          "take", "context_length_exceeded", "messages")
 
+    parts = [(f"messages[{i}].content[{j}]", part) for i, m in enumerate(messages)
+             if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
+             if part["type"] == "image_url"]
+    component = reg.prepared.components.get("image")
+    if parts and component is None:
+        raise Error(400, f"model {reg.name!r} does not take image input (its input modalities: text)",
+                    "unsupported_value", parts[0][0])
+
     def prompt():
         """On the CPU executor, as the model's one policy borrower: framing, then tokens
-        (stopping once past the context: the caller refuses those)."""
-        return tok.encode(policy.render(messages, tools, thinking, model_options=options), add_special=False,
-                          limit=context)
+        (stopping once past the context: the caller refuses those), each image's positions
+        among them -> (ids, vision.Media or None)."""
+        if not parts:
+            return tok.encode(policy.render(messages, tools, thinking, model_options=options), add_special=False,
+                              limit=context), None
+        shown, marks = vision.with_marks(messages)
+        return vision.tokens(tok, policy.render(shown, tools, thinking, model_options=options), marks, parts,
+                             component, context)
 
     return body, reg, policy, prompt
 
@@ -310,8 +325,9 @@ class CountJob(kinds.Job):
     def run(self):
         self.engine.borrow_policy(self.prompt, self.counted)
 
-    def counted(self, ids, error):
+    def counted(self, result, error):
         context = self.reg.doc["context_length"]
+        ids = result[0] if error is None else None
         if error is not None:     # a framing refusal (ChatError) keeps its status; else the tokenizer broke
             self.finish(error=error if isinstance(error, Problem) else
                         Error(500, f"tokenizer failed: {error}", "tokenizer_failed"))
@@ -419,10 +435,11 @@ class ChatJob(StreamingJob):
     def run(self):
         self.engine.borrow_policy(self.prompt, self.tokenized)
 
-    def tokenized(self, ids, error):
+    def tokenized(self, result, error):
         if error is not None or self.gone:
             self.finish(error=error)
             return
+        ids, media = result
         context = self.reg.doc["context_length"]
         if len(ids) + self.limit > context:
             size = f"{len(ids)} tokens" if len(ids) <= context else f"over {context} tokens"
@@ -446,7 +463,7 @@ class ChatJob(StreamingJob):
         temperature, top_p, top_k, seed = self.sampling
         self.seq = Sequence(ids, self.limit, temperature, top_p, top_k, seed, stop_ids, self.on_token, self.on_done,
                             ready=lambda: self.stream is None or self.stream.ready, session=self.session,
-                            checkpoint=cp, on_start=self.on_start)
+                            checkpoint=cp, on_start=self.on_start, media=media)
         self.checkpoint = None            # the engine owns the borrow now
         self.engine.submit(self.seq)
 
@@ -839,6 +856,16 @@ class ChatEngine(TextEngine):
         self.counting = 0
         self.policy_waiting = collections.deque()
         self.policy_busy = False
+        image = prepared.components.get("image")
+        if image is not None:       # the image component's projection cohorts
+            self.projection = vision.ProjectionEngine(image, loop)
+            self.projection.step_timeout = reg.doc["step_timeout"]
+
+    def stats(self):
+        out = super().stats()
+        if self.projection is not None:
+            out["images"] = self.projection.stats()
+        return out
 
     def backlog(self):
         return super().backlog() + len(self.policy_waiting)

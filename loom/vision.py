@@ -21,12 +21,15 @@ where feature_at[t] >= 0 (int32 [T]; -1 keeps the token's embedding).
 """
 
 import collections
+import hashlib
 import math
+import re
+import secrets
 
 import numpy as np
 from PIL import Image
 
-from . import kinds
+from . import images, kinds
 from .errors import Problem
 from .runtime import run_stage
 from .scheduler import CohortEngine
@@ -39,6 +42,9 @@ DETAILS = ("auto", "low", "high")
 RESAMPLE = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC}
 MAX_RESIZED = 4096      # the processor's cap on either edge after its first resize
 STEP_TILES = 32         # tiles per projection step (a request with more runs alone)
+# The component's options that bound an image (images.Limits' fields).
+LIMIT_OPTIONS = {"max_image_bytes": "max_bytes", "max_image_dimension": "max_dimension",
+                 "max_image_pixels": "max_pixels"}
 
 
 class Processor:
@@ -135,6 +141,109 @@ def prompt_pieces(rows, cols, seq):
     return pieces + [(f"{fake}<global-img>", False)] + image + [(fake, False)]
 
 
+# -- images in a prompt ---------------------------------------------------------------
+
+
+def with_marks(messages):
+    """The messages with each image part replaced by a text part holding a mark no client
+    can write (a fresh nonce in private-use characters), for the chat framing to place;
+    -> (messages, the marks in part order)."""
+    nonce = secrets.token_hex(8)
+    marks = []
+
+    def part(p):
+        if p["type"] != "image_url":
+            return p
+        marks.append(f"\ue000{nonce}:{len(marks)}\ue001")
+        return {"type": "text", "text": marks[-1]}
+
+    shown = [dict(m, content=[part(p) for p in m["content"]]) if isinstance(m.get("content"), list) else m
+             for m in messages]
+    return shown, marks
+
+
+def _position_ids(identity, count, vocab):
+    """Ids for an image's positions, past the vocabulary and derived from its identity
+    and each position's index: a conversation's ids then name its images exactly, so
+    every reuse path that compares ids (idle rows, sessions, the prefix cache,
+    checkpoints) compares the images too, and one changed byte replays."""
+    span = (1 << 31) - 1 - vocab
+    return [vocab + int.from_bytes(hashlib.sha256(identity + i.to_bytes(4, "little")).digest()[:8], "little") % span
+            for i in range(count)]
+
+
+def tokens(tok, rendered, marks, parts, component, context):
+    """On the CPU executor: the rendered prompt's ids with each mark expanded into its
+    image's pieces (markers as text, one id per image position), every image decoded
+    and cut into tiles on the way -> (ids, Media). Raises images.ImageError (4xx)."""
+    vocab = component.text_vocab
+    seq = component.spec("SEQ")
+    pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
+    ids, positions, tiles = [], [], []
+    for piece in pieces:
+        if piece not in marks:
+            ids += tok.encode(piece, add_special=False, limit=context) if piece else []
+            continue
+        param, part = parts[marks.index(piece)]
+        decoded = images.decode_data_url(part["image_url"]["url"], limits=component.image_limits,
+                                         codecs=component.image_codecs, param=f"{param}.image_url.url")
+        detail = part["image_url"].get("detail", "auto")
+        grid, rows, cols = component.processor.tiles(decoded.pixels, detail)
+        tiles.append(grid)
+        identity = hashlib.sha256(b"%s|%s|%d" % (decoded.identity(), detail.encode(), len(tiles))).digest()
+        own = iter(_position_ids(identity, len(grid) * seq, vocab))
+        for text, is_image in prompt_pieces(rows, cols, seq):
+            if is_image:
+                positions.append(len(ids))
+                ids.append(next(own))
+            else:
+                ids += tok.encode(text, add_special=False)
+        if len(ids) > context:
+            break
+    return ids, Media(positions, tiles)
+
+
+class Media:
+    """A prompt's image positions (prompt indices, in order) and their tiles; once
+    projected, `features` holds their rows on the device, in the same order."""
+
+    def __init__(self, positions, tiles):
+        self.positions, self.tiles = positions, tiles
+        self.ordinal = {p: i for i, p in enumerate(positions)}
+        self.features = None
+        self.projection = None     # the request in the projection engine, once asked
+        self.error = None
+
+    def wanted(self, fed):
+        """Whether positions from `fed` on still need features the device does not hold."""
+        return bool(self.positions) and self.positions[-1] >= fed and self.features is None
+
+    def project(self, engine, wake):
+        """Ask the projection engine for every image's features (once); wake() when they arrive."""
+        if self.projection is not None:
+            return
+
+        def done(features, error):
+            self.features, self.error = features, error
+            wake()
+
+        self.projection = Projection(np.concatenate(self.tiles), len(self.tiles), done)
+        engine.submit(self.projection)
+
+    def row(self, index):
+        """The features row of prompt position `index`, or -1 for a token."""
+        i = self.ordinal.get(index)
+        return -1 if i is None else self.features.start + i
+
+    def release(self):
+        """The prefill is past the images (or the request is over): the rows go back."""
+        if self.projection is not None:
+            self.projection.gone = True
+        if self.features is not None:
+            self.features.release()
+            self.features = None
+
+
 class ImageInput(kinds.Component):
     probes = [(STAGE, {"N": 1})]
     inputs = ("image",)
@@ -164,6 +273,18 @@ class ImageInput(kinds.Component):
             raise Problem(f"preprocessor_config.json cuts {tile}-pixel tiles; the vision tower takes "
                           f"{component.spec('TILE')}", "contract")
         component.processor = Processor(config, tile)
+        component.text_vocab = primary.spec("V")
+        options = component.binding.options
+        try:
+            component.image_limits = images.Limits(**{field: options[name] for name, field in LIMIT_OPTIONS.items()
+                                                      if name in options})
+        except (TypeError, ValueError) as e:
+            raise Problem(f"image limits: {e}", "invalid_option") from None
+        codecs = options.get("image_codecs", list(images.CODECS))
+        if not isinstance(codecs, list) or any(c not in images.CODECS for c in codecs):
+            raise Problem(f"option image_codecs must be a list drawn from {', '.join(images.CODECS)} "
+                          "(PAM is always accepted)", "invalid_option")
+        component.image_codecs = tuple(codecs)
 
 
 IMAGE = ImageInput()

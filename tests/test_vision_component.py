@@ -136,3 +136,93 @@ def test_component_documents_that_reject(server, towers, change, param):
     assert status_code == 400, body
     assert body["error"]["param"] == param, body
     assert registration(server, "bad") is None
+
+
+# -- images in chat (the tiny text model behind the generated tower) -----------------------
+
+def png_url(seed, size=(48, 64)):
+    import base64
+    import io
+    import numpy as np
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ask(server, model, content, **fields):
+    return call(server, "/v1/chat/completions", dict({"model": model, "max_tokens": 6, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": content}]}, **fields))
+
+
+def projected(server, model):
+    return registration(server, model)["scheduler"]["images"]["images_projected"]
+
+
+@pytest.fixture(scope="module")
+def seer(server, towers):
+    assert call(server, "/v1/models/register", scout("eyes", towers[128], context_length=1024,
+                                                      prefix_cache_capacity=2))[0] == 202
+    reg = wait_phase(server, "eyes", ("ready", "failed"))
+    assert reg["phase"] == "ready", reg["error"]
+    yield "eyes"
+    call(server, "/v1/models/unregister", {"model": "eyes"})
+
+
+def test_a_chat_with_an_image_counts_its_positions_and_reuses_them_exactly(server, seer):
+    image = {"type": "image_url", "image_url": {"url": png_url(1)}}
+    content = [{"type": "text", "text": "What is in this picture?"}, image]
+    before = projected(server, seer)
+    status_code, first = ask(server, seer, content)
+    assert status_code == 200, first
+    assert projected(server, seer) == before + 1
+    status_code, counted = call(server, "/v1/chat/completions/input_tokens",
+                                {"model": seer, "messages": [{"role": "user", "content": content}]})
+    assert status_code == 200 and counted["input_tokens"] == first["usage"]["prompt_tokens"]
+    # 16 image positions (one 128-pixel tile of 16 after the shuffle) and the markers' text.
+    status_code, text_only = call(server, "/v1/chat/completions/input_tokens",
+                                  {"model": seer, "messages": [{"role": "user", "content": content[:1]}]})
+    assert counted["input_tokens"] - text_only["input_tokens"] > 16
+    # The same conversation again: its image positions come from the retained row, nothing projects,
+    # and the answer is the same.
+    status_code, again = ask(server, seer, content)
+    assert status_code == 200
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= counted["input_tokens"] - 1
+    assert projected(server, seer) == before + 1
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    # Another image (other bytes) in the same place replays: projected again.
+    other = [content[0], {"type": "image_url", "image_url": {"url": png_url(2)}}]
+    status_code, changed = ask(server, seer, other)
+    assert status_code == 200
+    assert projected(server, seer) == before + 2
+    assert changed["usage"]["prompt_tokens_details"]["cached_tokens"] < counted["input_tokens"] - 16
+
+
+def test_image_parts_that_reject(server, seer):
+    bad = {"network": ("https://example.com/cat.png", 400, "unsupported_image_url"),
+           "not base64": ("data:image/png,rawbytes", 400, "invalid_image_url"),
+           "mismatch": (png_url(3).replace("image/png", "image/jpeg"), 400, "image_mime_mismatch")}
+    for name, (url, status_code, code) in bad.items():
+        got_status, body = ask(server, seer, [{"type": "image_url", "image_url": {"url": url}}])
+        assert (got_status, body["error"]["code"]) == (status_code, code), (name, body)
+        assert body["error"]["param"] == "messages[0].content[0].image_url.url"
+    got_status, body = ask(server, seer, [{"type": "image_url", "image_url": {"url": png_url(3), "detail": "max"}}])
+    assert got_status == 400 and body["error"]["param"] == "messages[0].content[0].image_url.detail"
+
+
+def test_a_text_model_without_the_component_refuses_image_parts(server):
+    doc = scout("blind", ".")
+    del doc["components"]
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    try:
+        assert wait_phase(server, "blind", ("ready", "failed"))["phase"] == "ready"
+        model = next(m for m in json.loads(server.request("GET", "/v1/models")[2])["data"] if m["id"] == "blind")
+        assert model["input_modalities"] == ["text"]
+        status_code, body = ask(server, "blind", [{"type": "text", "text": "hi"},
+                                                  {"type": "image_url", "image_url": {"url": png_url(4)}}])
+        assert status_code == 400 and body["error"]["code"] == "unsupported_value"
+        assert body["error"]["param"] == "messages[0].content[1]"
+        assert ask(server, "blind", [{"type": "text", "text": "hi"}])[0] == 200
+    finally:
+        call(server, "/v1/models/unregister", {"model": "blind"})
