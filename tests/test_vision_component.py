@@ -162,7 +162,7 @@ def projected(server, model):
 
 @pytest.fixture(scope="module")
 def seer(server, towers):
-    assert call(server, "/v1/models/register", scout("eyes", towers[128], context_length=1024,
+    assert call(server, "/v1/models/register", scout("eyes", towers[128], context_length=4096,
                                                       prefix_cache_capacity=2))[0] == 202
     reg = wait_phase(server, "eyes", ("ready", "failed"))
     assert reg["phase"] == "ready", reg["error"]
@@ -226,3 +226,93 @@ def test_a_text_model_without_the_component_refuses_image_parts(server):
         assert ask(server, "blind", [{"type": "text", "text": "hi"}])[0] == 200
     finally:
         call(server, "/v1/models/unregister", {"model": "blind"})
+
+
+def pam_url(tupltype, maxval, seed, size=(5, 7)):
+    """A PAM data URL of random samples (8-bit, or 16-bit big-endian above 255)."""
+    import base64
+    import numpy as np
+    depth = {"BLACKANDWHITE": 1, "GRAYSCALE": 1, "RGB": 3}[tupltype.replace("_ALPHA", "")] + tupltype.endswith("_ALPHA")
+    rng = np.random.default_rng(seed)
+    samples = rng.integers(0, maxval + 1, (*size, depth))
+    header = (f"P7\nWIDTH {size[1]}\nHEIGHT {size[0]}\nDEPTH {depth}\nMAXVAL {maxval}\nTUPLTYPE {tupltype}\n"
+              "ENDHDR\n").encode()
+    data = samples.astype(">u2" if maxval > 255 else "u1").tobytes()
+    return "data:image/x-portable-arbitrarymap;base64," + base64.b64encode(header + data).decode()
+
+
+def pillow_url(fmt, seed, mode="RGB", size=(40, 56)):
+    import base64
+    import io
+    import numpy as np
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, len(mode)), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels if len(mode) > 1 else pixels[..., 0], mode).save(buf, fmt.upper(), **(
+        {"lossless": True} if fmt == "webp" else {}))
+    return f"data:image/{fmt};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_the_openai_sdk_sends_every_format_in_one_conversation(server, seer):
+    """PNG, JPEG, GIF, WebP and each PAM tuple type (8- and 16-bit, with and without alpha) in
+    one user message through the openai SDK: one answer, every image counted and projected."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{server.host}:{server.port}/v1", api_key="unused")
+    urls = [pillow_url("png", 1, "RGBA"), pillow_url("jpeg", 2), pillow_url("gif", 3, "L"), pillow_url("webp", 4)]
+    urls += [pam_url(t, m, 10 + i) for i, (t, m) in enumerate(
+        [("BLACKANDWHITE", 1), ("BLACKANDWHITE_ALPHA", 1), ("GRAYSCALE", 255), ("GRAYSCALE", 65535),
+         ("GRAYSCALE_ALPHA", 255), ("GRAYSCALE_ALPHA", 4095), ("RGB", 255), ("RGB", 65535),
+         ("RGB_ALPHA", 255), ("RGB_ALPHA", 65535)])]
+    content = [{"type": "text", "text": "Compare these pictures."}] + [
+        {"type": "image_url", "image_url": {"url": url, "detail": "low"}} for url in urls]
+    before = projected(server, seer)
+    reply = client.chat.completions.create(model=seer, max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": content}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert projected(server, seer) == before + len(urls)
+    status_code, counted = call(server, "/v1/chat/completions/input_tokens",
+                                {"model": seer, "messages": [{"role": "user", "content": content}]})
+    assert status_code == 200 and counted["input_tokens"] == reply.usage.prompt_tokens
+    assert reply.usage.prompt_tokens > len(urls) * 16
+
+
+def test_three_turns_reuse_the_image_and_equal_a_cold_run(server, seer):
+    """An image in turn 1: turns 2 and 3 report cached tokens covering its positions and project
+    nothing; a one-byte change of the image replays and projects again; turn 3's answer equals
+    the same conversation run cold (retained state trimmed first)."""
+    picture = pam_url("RGB", 255, 77, size=(9, 9))
+    history = [{"role": "user", "content": [{"type": "text", "text": "Look at this."},
+                                            {"type": "image_url", "image_url": {"url": picture}}]}]
+    before = projected(server, seer)
+    answers = []
+    for turn, question in enumerate(["What is it?", "And the colours?", "Anything else?"]):
+        if turn:
+            history.append({"role": "user", "content": question})
+        status_code, out = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 5, "temperature": 0,
+                                                                 "messages": history})
+        assert status_code == 200, out
+        if turn:
+            # Everything before this turn's new text is reused, the image's positions included.
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_prompt
+        else:
+            first_prompt = out["usage"]["prompt_tokens"]
+        answers.append(out)
+        history.append(out["choices"][0]["message"])
+    assert projected(server, seer) == before + 1
+    # One byte of the image changed: turn 3 again replays from the image on, and projects it.
+    import base64
+    raw = bytearray(base64.b64decode(picture.split(",", 1)[1]))
+    raw[-1] ^= 1
+    changed = [dict(history[0], content=[history[0]["content"][0], {"type": "image_url", "image_url": {
+        "url": "data:image/x-portable-arbitrarymap;base64," + base64.b64encode(bytes(raw)).decode()}}])] + history[1:-1]
+    status_code, out = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 5, "temperature": 0,
+                                                             "messages": changed})
+    assert status_code == 200 and projected(server, seer) == before + 2
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] < first_prompt - 16
+    # Cold: with retained state trimmed away, turn 3 projects again and answers as before.
+    assert call(server, "/v1/devices/trim", {"device": 0, "target_bytes": 0})[0] == 200
+    status_code, cold = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 5, "temperature": 0,
+                                                              "messages": history[:-1]})
+    assert status_code == 200 and cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert projected(server, seer) == before + 3
+    assert cold["choices"][0]["message"] == answers[2]["choices"][0]["message"]
