@@ -50,7 +50,7 @@ from .errors import Problem
 
 __all__ = ["ImageError", "Limits", "Source", "DecodedImage", "parse_data_url", "sniff", "animated",
            "decode_pam", "decode", "decode_data_url", "encode_png", "CODECS", "FORMATS", "MIME_TYPES",
-           "PIXELS_CEILING"]
+           "PIXELS_CEILING", "Probe", "probe", "probe_data_url"]
 
 CODECS = ("png", "jpeg", "gif", "webp")      # Pillow's, each switchable off
 FORMATS = CODECS + ("pam",)                  # PAM is ours and always on
@@ -583,21 +583,25 @@ def _undecodable(name, e, param):
 
 # --- Decoding ------------------------------------------------------------------------
 
-def decode(data: bytes, mime: str, *, limits: Limits = Limits(), codecs=CODECS, param=None) -> DecodedImage:
-    """An image's bytes, as declared by `mime`, as pixels and their Source.
+@dataclass(frozen=True)
+class Probe:
+    """What an image's header says, before any pixel is decoded: the format, the upright
+    width and height (EXIF orientation applied), and the sha256 hex digest of the bytes."""
 
-    In order: more than limits.max_bytes rejects (image_too_large); the declared type
-    must be a known image type (unsupported_image), the signature a known format
-    (unsupported_image) and the declared type's (image_mime_mismatch); the codec must
-    be in `codecs` and built (image_codec_disabled; PAM needs none); animated and
-    multi-image files reject (animated_image); the header's size against the limits
-    (image_dimensions_too_large, image_too_many_pixels), before any pixel is decoded;
-    then broken bytes reject as invalid_image. Nothing else is raised. EXIF orientation
-    is applied (the width and height reported are the upright picture's)."""
+    format: str
+    width: int
+    height: int
+    sha256: str
+
+    def identity(self) -> bytes:
+        return f"{self.format}:{self.width}x{self.height}:{self.sha256}".encode("ascii")
+
+
+def _screened(data, mime, limits, codecs, param):
+    """The checks that need no pixels (decode's first five, in its order) -> the format."""
     unknown = set(codecs) - set(CODECS)
     if unknown:
         raise ValueError(f"unknown image codecs {sorted(unknown)}: the codecs are {CODECS}")
-    data = bytes(data)
     if len(data) > limits.max_bytes:
         raise _too_large(len(data), limits, param)
     declared = _DECLARED.get(mime.lower() if isinstance(mime, str) else None)
@@ -614,6 +618,82 @@ def decode(data: bytes, mime: str, *, limits: Limits = Limits(), codecs=CODECS, 
     if animated(data, fmt):
         raise ImageError(f"animated {NAMES[fmt]} images are not accepted: send one frame",
                          "animated_image", param)
+    return fmt
+
+
+def probe(data: bytes, mime: str, *, limits: Limits = Limits(), codecs=CODECS, param=None) -> Probe:
+    """decode's checks up to the header's size against the limits, without decoding a
+    pixel: enough to count an image's positions and name it. decode can still refuse
+    bytes whose header passes (a broken raster: invalid_image)."""
+    data = bytes(data)
+    fmt = _screened(data, mime, limits, codecs, param)
+    digest = hashlib.sha256(data).hexdigest()
+    if fmt == "pam":
+        width, height = _pam_header(data, param)[:2]
+        _check_size(width, height, limits, param, "PAM")
+        return Probe(fmt, width, height, digest)
+    if fmt == "webp":
+        canvas = _webp_canvas(data)
+        if canvas is None:
+            raise ImageError("the WebP header is truncated or malformed", "invalid_image", param)
+        _check_size(*canvas, limits, param, NAMES[fmt])
+    try:
+        im = _OPEN[fmt](io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"the image is too large: {e}", "image_too_many_pixels", param) from e
+    except Exception as e:
+        raise _undecodable(NAMES[fmt], e, param) from e
+    try:
+        width, height = im.size
+        _check_size(width, height, limits, param, NAMES[fmt])
+        # PNG's EXIF may follow the image data, and Pillow decodes the pixels to reach it.
+        orientation = _png_orientation(data) if fmt == "png" else \
+            im.getexif().get(0x0112) if fmt != "gif" else None
+    except ImageError:
+        raise
+    except Exception as e:
+        raise _undecodable(NAMES[fmt], e, param) from e
+    finally:
+        im.close()
+    if orientation in (5, 6, 7, 8):     # a quarter turn: the upright picture is the other way round
+        width, height = height, width
+    return Probe(fmt, width, height, digest)
+
+
+def _png_orientation(data):
+    """The EXIF orientation of a PNG's eXIf chunk, wherever it is, or None."""
+    pos = len(_PNG)
+    while pos + 12 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        if kind == b"eXIf" and pos + 8 + length <= len(data):
+            exif = Image.Exif()
+            exif.load(data[pos + 8:pos + 8 + length])
+            return exif.get(0x0112)
+        if kind == b"IEND":
+            return None
+        pos += 12 + length
+    return None
+
+
+def probe_data_url(url, *, limits: Limits = Limits(), codecs=CODECS, param=None) -> tuple[Probe, str, bytes]:
+    """parse_data_url, then probe -> (probe, mime, bytes): the bytes to decode later."""
+    mime, data = parse_data_url(url, param=param, max_bytes=limits.max_bytes)
+    return probe(data, mime, limits=limits, codecs=codecs, param=param), mime, data
+
+
+def decode(data: bytes, mime: str, *, limits: Limits = Limits(), codecs=CODECS, param=None) -> DecodedImage:
+    """An image's bytes, as declared by `mime`, as pixels and their Source.
+
+    In order: more than limits.max_bytes rejects (image_too_large); the declared type
+    must be a known image type (unsupported_image), the signature a known format
+    (unsupported_image) and the declared type's (image_mime_mismatch); the codec must
+    be in `codecs` and built (image_codec_disabled; PAM needs none); animated and
+    multi-image files reject (animated_image); the header's size against the limits
+    (image_dimensions_too_large, image_too_many_pixels), before any pixel is decoded;
+    then broken bytes reject as invalid_image. Nothing else is raised. EXIF orientation
+    is applied (the width and height reported are the upright picture's)."""
+    data = bytes(data)
+    fmt = _screened(data, mime, limits, codecs, param)
     if fmt == "pam":
         pixels, _ = decode_pam(data, limits, param)
     else:

@@ -481,6 +481,19 @@ class TextEngine(CohortEngine):
                 reuse = table.truncate(reuse)
             self._place(seq, best, reuse)
 
+    def reusable(self, prompt, session=None, checkpoint=None):
+        """How many leading tokens of prompt retained state could supply now, changing
+        nothing: a checkpoint's, a named session's, else the best idle row's or cached
+        prefix's (admission decides later and may find less)."""
+        if checkpoint is not None:
+            return _common_prefix(checkpoint.tokens, prompt)
+        if session is not None:
+            saved = self.sessions.get(session)
+            return min(_common_prefix(saved.tokens, prompt), len(prompt) - 1) if saved is not None else 0
+        best = max((_common_prefix(history, prompt) for row, history in enumerate(self.history)
+                    if self.rows[row] is None and history), default=0)
+        return min(max(best, len(self._longest_prefix(prompt)[0])), len(prompt) - 1)
+
     def _place(self, seq, row, reuse):
         self.history[row] = None
         seq.fed = seq.cached = reuse

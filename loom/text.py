@@ -453,6 +453,22 @@ class ChatJob(StreamingJob):
                                              f"{len(cp.tokens)} consumed tokens differ from the rendered history",
                                         "history_mismatch", "messages"))
             return
+        if media is not None and media.positions and \
+                self.engine.reusable(ids, self.session, cp) <= media.positions[-1]:
+            # Some image positions will be computed: decode now, so that a broken image is
+            # a 4xx before the response begins (a retained prefix covering them skips this).
+            self.server.loop.run_in_executor(media.decode, lambda _r, e: self._decoded(ids, media, e))
+            return
+        self._submit(ids, media)
+
+    def _decoded(self, ids, media, error):
+        if error is not None or self.gone:
+            self.finish(error=error)
+            return
+        self._submit(ids, media)
+
+    def _submit(self, ids, media):
+        cp = self.checkpoint
         tok = self.reg.prepared.tokenizer
         stop_ids = {tok.special[s] for s in self.policy.stop if s in tok.special}
         if tok.eos_id is not None:
@@ -864,7 +880,7 @@ class ChatEngine(TextEngine):
     def stats(self):
         out = super().stats()
         if self.projection is not None:
-            out["images"] = self.projection.stats()
+            out["images"] = dict(self.projection.stats(), images_decoded=self.projection.prepared.images_decoded)
         return out
 
     def backlog(self):

@@ -62,22 +62,32 @@ class Processor:
         self.mean = np.asarray(self.config.get("image_mean", [0.5] * 3), np.float64)
         self.std = np.asarray(self.config.get("image_std", [0.5] * 3), np.float64)
 
+    def _sizes(self, height, width, detail):
+        """(the first resize, the split's resize or None, rows, cols) for an image of this size."""
+        resized = _fit_longest(height, width, self.longest) if self.config.get("do_resize", True) else (height, width)
+        if not (self.splitting and (detail == "high" or (detail == "auto" and max(height, width) > self.tile))):
+            return resized, None, 0, 0
+        split = _tile_multiple(*resized, self.tile)
+        if split[0] > self.tile or split[1] > self.tile:
+            return resized, split, split[0] // self.tile, split[1] // self.tile
+        return resized, split, 0, 0
+
+    def grid(self, height, width, detail):
+        """(rows, cols) an image of this size is cut into: its tiles are rows * cols + 1, or
+        1 when rows == cols == 0. Known from the header alone, before any pixel is decoded."""
+        return self._sizes(height, width, detail)[2:]
+
     def tiles(self, pixels, detail):
         """RGB8 or straight-alpha RGBA8 [H, W, C] -> (float32 [N, 3, TILE, TILE], rows, cols):
         tiles row-major and the global image last (N = rows * cols + 1), or the global image
         alone (N = 1, rows = cols = 0)."""
-        img = Image.fromarray(_flatten_alpha(pixels))
-        height, width = pixels.shape[:2]
-        split = self.splitting and (detail == "high" or (detail == "auto" and max(height, width) > self.tile))
-        if self.config.get("do_resize", True):
-            img = self._resize(img, *_fit_longest(height, width, self.longest))
-        frames, rows, cols = [], 0, 0
-        if split:
-            img = self._resize(img, *_tile_multiple(img.height, img.width, self.tile))
-            if img.height > self.tile or img.width > self.tile:
-                rows, cols = img.height // self.tile, img.width // self.tile
-                frames = [img.crop((c * self.tile, r * self.tile, (c + 1) * self.tile, (r + 1) * self.tile))
-                          for r in range(rows) for c in range(cols)]
+        resized, split, rows, cols = self._sizes(*pixels.shape[:2], detail)
+        img = self._resize(Image.fromarray(_flatten_alpha(pixels)), *resized)
+        frames = []
+        if split is not None:
+            img = self._resize(img, *split)
+            frames = [img.crop((c * self.tile, r * self.tile, (c + 1) * self.tile, (r + 1) * self.tile))
+                      for r in range(rows) for c in range(cols)]
         frames.append(self._resize(img, self.tile, self.tile))         # the global image
         return np.stack([self._normalize(f) for f in frames]), rows, cols
 
@@ -174,24 +184,26 @@ def _position_ids(identity, count, vocab):
 
 def tokens(tok, rendered, marks, parts, component, context):
     """On the CPU executor: the rendered prompt's ids with each mark expanded into its
-    image's pieces (markers as text, one id per image position), every image decoded
-    and cut into tiles on the way -> (ids, Media). Raises images.ImageError (4xx)."""
+    image's pieces (markers as text, one id per image position). Each image is only
+    probed here (its header: format, upright size, digest); its pixels are decoded when
+    its positions must be computed -> (ids, Media). Raises images.ImageError (4xx)."""
     vocab = component.text_vocab
     seq = component.spec("SEQ")
     pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
-    ids, positions, tiles = [], [], []
+    ids, positions, sources = [], [], []
     for piece in pieces:
         if piece not in marks:
             ids += tok.encode(piece, add_special=False, limit=context) if piece else []
             continue
         param, part = parts[marks.index(piece)]
-        decoded = images.decode_data_url(part["image_url"]["url"], limits=component.image_limits,
-                                         codecs=component.image_codecs, param=f"{param}.image_url.url")
+        param += ".image_url.url"
+        probe, mime, data = images.probe_data_url(part["image_url"]["url"], limits=component.image_limits,
+                                                  codecs=component.image_codecs, param=param)
         detail = part["image_url"].get("detail", "auto")
-        grid, rows, cols = component.processor.tiles(decoded.pixels, detail)
-        tiles.append(grid)
-        identity = hashlib.sha256(b"%s|%s|%d" % (decoded.identity(), detail.encode(), len(tiles))).digest()
-        own = iter(_position_ids(identity, len(grid) * seq, vocab))
+        rows, cols = component.processor.grid(probe.height, probe.width, detail)
+        sources.append((mime, data, detail, param, probe))
+        identity = hashlib.sha256(b"%s|%s|%d" % (probe.identity(), detail.encode(), len(sources))).digest()
+        own = iter(_position_ids(identity, (rows * cols + 1) * seq, vocab))
         for text, is_image in prompt_pieces(rows, cols, seq):
             if is_image:
                 positions.append(len(ids))
@@ -200,35 +212,64 @@ def tokens(tok, rendered, marks, parts, component, context):
                 ids += tok.encode(text, add_special=False)
         if len(ids) > context:
             break
-    return ids, Media(positions, tiles)
+    return ids, Media(positions, sources, component)
 
 
 class Media:
-    """A prompt's image positions (prompt indices, in order) and their tiles; once
-    projected, `features` holds their rows on the device, in the same order."""
+    """A prompt's image positions (prompt indices, in order) and their images; decoded
+    into tiles only when some position must be computed (a retained prefix that covers
+    them all skips both decoding and projection); once projected, `features` holds
+    their rows on the device, in the same order."""
 
-    def __init__(self, positions, tiles):
-        self.positions, self.tiles = positions, tiles
+    def __init__(self, positions, sources, component):
+        self.positions, self.sources, self.component = positions, sources, component
         self.ordinal = {p: i for i, p in enumerate(positions)}
+        self.tiles = None
         self.features = None
         self.projection = None     # the request in the projection engine, once asked
         self.error = None
+
+    def decode(self):
+        """On the CPU executor: every image's pixels, cut into tiles. Raises images.ImageError."""
+        out = []
+        for mime, data, detail, param, probe in self.sources:
+            decoded = images.decode(data, mime, limits=self.component.image_limits,
+                                    codecs=self.component.image_codecs, param=param)
+            if (decoded.source.width, decoded.source.height) != (probe.width, probe.height):
+                raise images.ImageError(f"the image decodes to {decoded.source.width}x{decoded.source.height}, "
+                                        f"not the {probe.width}x{probe.height} its header states",
+                                        "invalid_image", param)
+            out.append(self.component.processor.tiles(decoded.pixels, detail)[0])
+        self.tiles = out
+        self.component.images_decoded += len(out)
 
     def wanted(self, fed):
         """Whether positions from `fed` on still need features the device does not hold."""
         return bool(self.positions) and self.positions[-1] >= fed and self.features is None
 
     def project(self, engine, wake):
-        """Ask the projection engine for every image's features (once); wake() when they arrive."""
+        """Ask the projection engine for every image's features (once), decoding them first
+        on the CPU executor if that has not happened yet; wake() when they arrive."""
         if self.projection is not None:
             return
 
-        def done(features, error):
+        def done(features, error):      # (a request gone by then never gets here: its rows go back)
             self.features, self.error = features, error
             wake()
 
-        self.projection = Projection(np.concatenate(self.tiles), len(self.tiles), done)
-        engine.submit(self.projection)
+        def decoded(_result, error):
+            if error is not None:
+                self.error = error
+                wake()
+            elif not self.projection.gone:
+                self.projection.tiles = np.concatenate(self.tiles)
+                engine.submit(self.projection)
+
+        self.projection = Projection(None, len(self.sources), done)
+        if self.tiles is None:
+            engine.loop.run_in_executor(self.decode, decoded)
+        else:
+            decoded(None, None)
 
     def row(self, index):
         """The features row of prompt position `index`, or -1 for a token."""
@@ -274,6 +315,7 @@ class ImageInput(kinds.Component):
                           f"{component.spec('TILE')}", "contract")
         component.processor = Processor(config, tile)
         component.text_vocab = primary.spec("V")
+        component.images_decoded = 0        # for /v1/status: a retained prefix decodes nothing
         options = component.binding.options
         try:
             component.image_limits = images.Limits(**{field: options[name] for name, field in LIMIT_OPTIONS.items()

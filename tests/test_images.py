@@ -799,3 +799,54 @@ def test_parse_data_url_on_arbitrary_text(url):
         return
     assert isinstance(data, bytes) and "/" in mime
     assert url.split(",", 1)[1] == base64.b64encode(data).decode()   # one spelling per image
+
+
+# --- Probing: the header alone ------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", images.FORMATS)
+def test_probe_agrees_with_decode_without_decoding_a_pixel(fmt, monkeypatch):
+    """probe: the same format, upright size and digest decode resolves, with no pixel decoded,
+    and the same rejections before the pixels (codec, MIME, limits)."""
+    mime = images.MIME_TYPES[fmt]
+    source = decode(FILES[fmt], mime).source
+    for cls in (ImageFile.ImageFile, PngImagePlugin.PngImageFile, JpegImagePlugin.JpegImageFile,
+                GifImagePlugin.GifImageFile, WebPImagePlugin.WebPImageFile):
+        if "load" in vars(cls):
+            monkeypatch.setattr(cls, "load", lambda *a, **k: pytest.fail("probe decoded pixels"))
+    monkeypatch.setattr(images, "decode_pam", lambda *a, **k: pytest.fail("probe decoded the PAM raster"))
+    got = images.probe(FILES[fmt], mime)
+    assert (got.format, got.width, got.height, got.sha256) == (source.format, source.width, source.height,
+                                                               source.sha256)
+    assert got.identity() != images.probe(FILES["png" if fmt != "png" else "gif"],
+                                          images.MIME_TYPES["png" if fmt != "png" else "gif"]).identity()
+    rejects("image_dimensions_too_large", 413, images.probe, FILES[fmt], mime, limits=Limits(max_dimension=7))
+    if fmt != "pam":
+        rejects("image_codec_disabled", 415, images.probe, FILES[fmt], mime,
+                codecs=[c for c in images.CODECS if c != fmt])
+        rejects("image_mime_mismatch", 400, images.probe, FILES[fmt], PAM_MIME)
+
+
+@pytest.mark.parametrize("orientation", [5, 6, 7, 8])
+def test_probe_reports_the_upright_size(orientation):
+    a = RNG.integers(0, 256, (6, 10, 3), dtype=np.uint8)
+    im = Image.fromarray(a)
+    exif = im.getexif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    im.save(buf, "PNG", exif=exif)
+    got = images.probe(buf.getvalue(), "image/png")
+    assert (got.width, got.height) == (6, 10)
+    assert decode(buf.getvalue(), "image/png").pixels.shape[:2] == (10, 6)
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_probe_fuzz_raises_only_image_errors(data):
+    """Any bytes behind any declared type: a Probe of the header's size, or a 4xx ImageError."""
+    for mime in ("image/png", PAM_MIME, "image/gif", "image/jpeg", "image/webp"):
+        try:
+            got = images.probe(data, mime)
+        except ImageError as e:
+            assert 400 <= STATUS[e.code] < 500
+        else:
+            assert got.width > 0 and got.height > 0 and got.sha256 == hashlib.sha256(data).hexdigest()

@@ -160,6 +160,10 @@ def projected(server, model):
     return registration(server, model)["scheduler"]["images"]["images_projected"]
 
 
+def decoded(server, model):
+    return registration(server, model)["scheduler"]["images"]["images_decoded"]
+
+
 @pytest.fixture(scope="module")
 def seer(server, towers):
     assert call(server, "/v1/models/register", scout("eyes", towers[128], context_length=4096,
@@ -186,10 +190,11 @@ def test_a_chat_with_an_image_counts_its_positions_and_reuses_them_exactly(serve
     assert counted["input_tokens"] - text_only["input_tokens"] > 16
     # The same conversation again: its image positions come from the retained row, nothing projects,
     # and the answer is the same.
+    unpacked = decoded(server, seer)
     status_code, again = ask(server, seer, content)
     assert status_code == 200
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= counted["input_tokens"] - 1
-    assert projected(server, seer) == before + 1
+    assert projected(server, seer) == before + 1 and decoded(server, seer) == unpacked   # neither projected nor decoded
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
     # Another image (other bytes) in the same place replays: projected again.
     other = [content[0], {"type": "image_url", "image_url": {"url": png_url(2)}}]
@@ -207,6 +212,12 @@ def test_image_parts_that_reject(server, seer):
         got_status, body = ask(server, seer, [{"type": "image_url", "image_url": {"url": url}}])
         assert (got_status, body["error"]["code"]) == (status_code, code), (name, body)
         assert body["error"]["param"] == "messages[0].content[0].image_url.url"
+    # A header that passes over a broken raster (a sample above MAXVAL): still a 400 before any response.
+    import base64
+    broken = base64.b64decode(pam_url("GRAYSCALE", 100, 1).split(",", 1)[1])[:-1] + bytes([200])
+    got_status, body = ask(server, seer, [{"type": "image_url", "image_url": {
+        "url": "data:image/x-portable-arbitrarymap;base64," + base64.b64encode(broken).decode()}}], stream=True)
+    assert (got_status, body["error"]["code"]) == (400, "invalid_image"), body
     got_status, body = ask(server, seer, [{"type": "image_url", "image_url": {"url": png_url(3), "detail": "max"}}])
     assert got_status == 400 and body["error"]["param"] == "messages[0].content[0].image_url.detail"
 
@@ -284,7 +295,7 @@ def test_three_turns_reuse_the_image_and_equal_a_cold_run(server, seer):
     history = [{"role": "user", "content": [{"type": "text", "text": "Look at this."},
                                             {"type": "image_url", "image_url": {"url": picture}}]}]
     before = projected(server, seer)
-    answers = []
+    answers, first_prompt = [], None
     for turn, question in enumerate(["What is it?", "And the colours?", "Anything else?"]):
         if turn:
             history.append({"role": "user", "content": question})
