@@ -31,10 +31,15 @@ def towers(tmp_path_factory):
     return {width: generate.generate(str(root / str(width)), text_hidden=width) for width in (128, 576)}
 
 
-def call(server, path, body):
-    status, _, data = server.request("POST", path, body=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    return status, json.loads(data)
+def call(server, path, body, timeout=180):
+    """POST JSON; a generous timeout: a model's first requests compile their geometry's kernels."""
+    conn = server.connection(timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
 
 
 def status(server):
@@ -327,3 +332,43 @@ def test_three_turns_reuse_the_image_and_equal_a_cold_run(server, seer):
     assert status_code == 200 and cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert projected(server, seer) == before + 3
     assert cold["choices"][0]["message"] == answers[2]["choices"][0]["message"]
+
+
+def animated_gif_url():
+    import base64
+    import io
+    from PIL import Image
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=100)
+    return "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_the_components_image_options_bound_what_it_accepts(server, towers):
+    """The component's options: image_codecs switches codecs off one by one (PAM stays), and
+    max_image_* bound an image before it is decoded; bad options fail the registration."""
+    doc = scout("strict", towers[128], context_length=2048)
+    doc["components"]["image"]["options"] = {"image_codecs": ["png", "gif"], "max_image_dimension": 64}
+    assert call(server, "/v1/models/register", doc)[0] == 202
+    try:
+        assert wait_phase(server, "strict", ("ready", "failed"))["phase"] == "ready"
+        cases = [(pillow_url("jpeg", 5), 415, "image_codec_disabled"), (pillow_url("webp", 6), 415, "image_codec_disabled"),
+                 (png_url(7, size=(65, 10)), 413, "image_dimensions_too_large"), (animated_gif_url(), 415, "animated_image")]
+        for url, status_code, code in cases:
+            got, body = ask(server, "strict", [{"type": "image_url", "image_url": {"url": url}}])
+            assert (got, body["error"]["code"]) == (status_code, code), body
+            assert body["error"]["param"] == "messages[0].content[0].image_url.url"
+        for url in (png_url(8), pillow_url("gif", 9, "L"), pam_url("RGB", 255, 10)):
+            assert ask(server, "strict", [{"type": "image_url", "image_url": {"url": url}}])[0] == 200
+    finally:
+        call(server, "/v1/models/unregister", {"model": "strict"})
+    for options in ({"image_codecs": ["bmp"]}, {"max_image_pixels": 0}, {"image_codecs": "png"}):
+        doc = scout("unbound", towers[128])
+        doc["components"]["image"]["options"] = options
+        assert call(server, "/v1/models/register", doc)[0] == 202
+        reg = wait_phase(server, "unbound", ("ready", "failed"))
+        assert reg["phase"] == "failed" and reg["error"]["code"] == "invalid_option", reg
+        call(server, "/v1/models/unregister", {"model": "unbound"})
+        deadline = time.monotonic() + 30
+        while registration(server, "unbound") is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
