@@ -31,11 +31,12 @@ def towers(tmp_path_factory):
     return {width: generate.generate(str(root / str(width)), text_hidden=width) for width in (128, 576)}
 
 
-def call(server, path, body, timeout=180):
+def call(server, path, body, timeout=180, headers=()):
     """POST JSON; a generous timeout: a model's first requests compile their geometry's kernels."""
     conn = server.connection(timeout=timeout)
     try:
-        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body).encode() if body is not None else b"",
+                     headers={"Content-Type": "application/json", **dict(headers)})
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())
     finally:
@@ -172,7 +173,8 @@ def decoded(server, model):
 @pytest.fixture(scope="module")
 def seer(server, towers):
     assert call(server, "/v1/models/register", scout("eyes", towers[128], context_length=4096,
-                                                      prefix_cache_capacity=2))[0] == 202
+                                                      prefix_cache_capacity=2, session_cache_capacity=2,
+                                                      checkpoint_capacity=2))[0] == 202
     reg = wait_phase(server, "eyes", ("ready", "failed"))
     assert reg["phase"] == "ready", reg["error"]
     yield "eyes"
@@ -372,3 +374,45 @@ def test_the_components_image_options_bound_what_it_accepts(server, towers):
         deadline = time.monotonic() + 30
         while registration(server, "unbound") is not None and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def test_sessions_and_checkpoints_hold_images_by_identity(server, seer):
+    """A named session continues over its image without projecting it again; a checkpoint
+    pinned there forks with the same image, and a history whose image differs by one byte
+    does not extend it (400 history_mismatch)."""
+    import base64
+    picture = pam_url("RGB_ALPHA", 255, 91, size=(8, 6))
+    first = [{"role": "user", "content": [{"type": "text", "text": "Keep this."},
+                                          {"type": "image_url", "image_url": {"url": picture}}]}]
+    session = {"X-Loom-Session": "pics"}
+    status_code, one = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 4, "temperature": 0,
+                                                             "messages": first}, headers=session)
+    assert status_code == 200, one
+    before = projected(server, seer)
+    history = first + [one["choices"][0]["message"], {"role": "user", "content": "Still there?"}]
+    status_code, two = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 4, "temperature": 0,
+                                                             "messages": history}, headers=session)
+    assert status_code == 200, two
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= one["usage"]["prompt_tokens"]
+    assert projected(server, seer) == before
+    status_code, pinned = call(server, "/v1/checkpoints/shot", None, headers={**session, "X-Loom-Model": seer})
+    assert status_code == 201, pinned
+    fork = history + [two["choices"][0]["message"], {"role": "user", "content": "And now?"}]
+    status_code, three = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 4, "temperature": 0,
+                                                               "messages": fork},
+                              headers={"X-Loom-Session": "fork", "X-Loom-Checkpoint": "shot"})
+    assert status_code == 200, three
+    assert three["usage"]["prompt_tokens_details"]["cached_tokens"] >= two["usage"]["prompt_tokens"]
+    assert projected(server, seer) == before
+    raw = bytearray(base64.b64decode(picture.split(",", 1)[1]))
+    raw[-2] ^= 1
+    other = "data:image/x-portable-arbitrarymap;base64," + base64.b64encode(bytes(raw)).decode()
+    edited = [dict(fork[0], content=[fork[0]["content"][0], {"type": "image_url", "image_url": {"url": other}}])] + fork[1:]
+    status_code, body = call(server, "/v1/chat/completions", {"model": seer, "max_tokens": 4, "temperature": 0,
+                                                              "messages": edited},
+                             headers={"X-Loom-Session": "fork2", "X-Loom-Checkpoint": "shot"})
+    assert status_code == 400 and body["error"]["code"] == "history_mismatch", body
+    conn = server.connection(timeout=60)
+    conn.request("DELETE", "/v1/checkpoints/shot", headers={"X-Loom-Model": seer})
+    assert conn.getresponse().status == 200
+    conn.close()
