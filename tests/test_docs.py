@@ -16,6 +16,9 @@ def catalog_view(server):
     return sorted((m["id"], m["loom"]["kind"], json.dumps(m["loom"].get("variants"))) for m in models)
 
 
+# Each walkthrough starts a fresh default catalog, which compiles every deployment's kernels
+# (a minute or more on two busy cores) before its examples run: more than the suite's 120 s a test.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("path,start,end", [
     ("README.md", "With the server running", "Any OpenAI client"),   # the quick start against `make run`
     ("docs/operations.md", "## Registration lifecycle", None),       # everything from here on, in order
