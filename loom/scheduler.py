@@ -747,7 +747,7 @@ class TextEngine(CohortEngine):
                     if seq.media.features is None:    # its images are projected first (once, its own cohort)
                         seq.media.project(self.projection, self.kick)
                         continue
-                    if any(seq.fed <= p < seq.fed + len(ids) for p in seq.media.positions):
+                    if seq.media.within(seq.fed, len(ids)):
                         if media is not None:
                             continue                  # one request's image rows per step
                         media = seq
@@ -817,7 +817,7 @@ class TextEngine(CohortEngine):
         """Whether this step's n tokens of seq's prompt hold image positions."""
         media = seq.media
         return (media is not None and media.features is not None and seq.fed < len(seq.prompt)
-                and any(seq.fed <= p < seq.fed + n for p in media.positions))
+                and media.within(seq.fed, n))
 
     def _launch_encode(self, work, done):
         """A cohort of known ids: keys and values into the rows' pages, and each token's

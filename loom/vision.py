@@ -20,6 +20,7 @@ advance with rows of `features` (float32 [*, D]) as the inputs of the positions 
 where feature_at[t] >= 0 (int32 [T]; -1 keeps the token's embedding).
 """
 
+import bisect
 import collections
 import hashlib
 import math
@@ -270,6 +271,11 @@ class Media:
             engine.loop.run_in_executor(self.decode, decoded)
         else:
             decoded(None, None)
+
+    def within(self, start, n):
+        """Whether prompt positions start .. start + n - 1 hold an image position."""
+        i = bisect.bisect_left(self.positions, start)
+        return i < len(self.positions) and self.positions[i] < start + n
 
     def row(self, index):
         """The features row of prompt position `index`, or -1 for a token."""
