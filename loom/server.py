@@ -636,6 +636,35 @@ class Server:
     # -- requests ----------------------------------------------------------
     def handle(self, request):
         """Route a complete request; every failure becomes an error response."""
+        if request.wants_parse_off_loop():
+            return self._parse_then_handle(request)
+        return self._route(request)
+
+    def _parse_then_handle(self, request):
+        """A large JSON body is parsed on the executor; its handler runs on the loop after."""
+        outer = Deferred()
+        inner = []
+
+        def parsed(_, error):
+            if outer.cancelled:
+                return            # the client left while its body was parsed: nothing runs
+            if error is not None:
+                log.error("request %d: parsing its body failed: %r", request.id, error,
+                          extra={"event": "handler_failed", "request": request.id, "path": request.path})
+                outer.resolve(Response.error(Error(500, "internal error", "internal_error")))
+                return
+            response = self._route(request)
+            if isinstance(response, Deferred):
+                inner.append(response)
+                response.attach(outer.resolve)
+            else:
+                outer.resolve(response)
+
+        outer.on_cancel = lambda: inner and inner[0].cancel()
+        self.loop.run_in_executor(request.parse_json, parsed)
+        return outer
+
+    def _route(self, request):
         try:
             return routes.dispatch(self, request)
         except Problem as e:      # an Error, or a lower layer's Problem mapped by its code

@@ -475,6 +475,49 @@ def test_handler_failure_is_a_500_envelope_and_the_connection_goes_on(thread_ser
     conn.close()
 
 
+
+def test_a_large_json_body_is_parsed_off_the_loop_then_routed(thread_server):
+    """Bodies of 1 MiB and more parse on the executor; the handler sees the same value and errors."""
+    seen = []
+
+    def parse(server, request):
+        value = request.json()          # raises the 400 of a malformed body, parsed where it was
+        seen.append((request.parsed is not None, threading.current_thread() is server_thread[0]))
+        if value.get("later"):          # a handler answering later still answers
+            deferred = Deferred()
+            server.loop.call_later(0.05, deferred.resolve, Response.json({"n": len(value["pad"])}))
+            return deferred
+        return Response.json({"n": len(value["pad"])})
+
+    ts = thread_server([("POST", "/parse", parse)], request_body_bytes=8 << 20)
+    server_thread = [ts.thread]
+    json_type = {"Content-Type": "application/json"}
+    for size, later in [(10, False), (3 << 20, False), (3 << 20, True)]:
+        body = json.dumps({"pad": "x" * size, "later": later}).encode()
+        status, _, raw = ts.request("POST", "/parse", body=body, headers=json_type)
+        assert status == 200 and json.loads(raw) == {"n": size}
+    assert seen == [(False, True), (True, True), (True, True)]     # handlers always run on the loop
+    for body in [b"{" * 10 + b" " * (2 << 20), b'{"pad": "' + b"x" * (2 << 20) + b'\xff"}',
+                 b'{"a": 1, "a": 2}' + b" " * (2 << 20)]:
+        small = ts.request("POST", "/parse", body=body.rstrip(b" "), headers=json_type)
+        large = ts.request("POST", "/parse", body=body, headers=json_type)
+        assert large[0] == small[0] == 400
+        assert error_of(large[2])["code"] == error_of(small[2])["code"] in ("invalid_json", "duplicate_key")
+    # Another content type is refused by the handler as before, unparsed.
+    status, _, raw = ts.request("POST", "/parse", body=b"{}" + b" " * (2 << 20), headers={"Content-Type": "text/plain"})
+    assert status == 415 and error_of(raw)["code"] == "unsupported_media_type"
+    # A client that leaves while its body is parsed (or just after): nothing is held.
+    sock = ts.raw()
+    big = json.dumps({"pad": "y" * (6 << 20)}).encode()
+    sock.sendall(b"POST /parse HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(big) + big)
+    sock.close()
+    deadline = time.monotonic() + 5
+    while ts.call(lambda: len(ts.server.requests) + len(ts.server.connections)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ts.call(lambda: (len(ts.server.requests), len(ts.server.connections))) == (0, 0)
+    assert ts.request("GET", "/healthz")[0] == 200
+
 def test_sse_event_encoding():
     from loom.http import sse_event
     assert sse_event({"a": 1}, event="chunk", id=7) == b'id: 7\nevent: chunk\ndata: {"a":1}\n\n'
