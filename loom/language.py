@@ -56,6 +56,8 @@ BUILTINS = {
     "count": 1,       # count("blk.{i}.x"): layers present, i = 0, 1, ... while the name exists
     "dtype": 1,       # dtype(x): a weight's storage type as a string ("F32", "Q8_0", ...)
     "pages": 1,       # pages(state): pages in a paged state pool
+    "present": 1,     # present(w[l]): whether a param (layer) exists in this checkpoint
+    "dim": 2,         # dim(w[l], axis): a param's dimension (what a "?" in its shape bound)
     "min": 2, "max": 2, "ceil": 2,  # ceil(a, b) is integer ceiling division
     "int": 1, "float": 1, "sqrt": 1,
 }
@@ -65,6 +67,27 @@ BUILTINS = {
 SPEC_PREDEFINED = ("format", "driver")
 
 STATEMENT_OPS = ("let", "scratch", "for", "if", "else", "end", "launch", "invoke")
+
+# A param dimension written "?": the checkpoint tensor's own size (a name no expression can spell).
+ANY_DIM = (("name", "?"),)
+# A placeholder in a tensor name pattern: "down_blocks.{i // LPB}.resnets.{i % LPB}.conv1.weight".
+PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def pattern_code(pattern):
+    """The placeholders of a tensor name pattern as [(text, code)]; a stray brace rejects."""
+    if PLACEHOLDER.sub("", pattern).count("{") or PLACEHOLDER.sub("", pattern).count("}"):
+        raise LoomError(f"tensor name {pattern!r} has an unmatched brace")
+    out = []
+    for m in PLACEHOLDER.finditer(pattern):
+        parser = Parser(m.group(1))
+        if parser.peek().kind == "eof":
+            raise LoomError(f"tensor name {pattern!r} has an empty placeholder")
+        code = parser.expr()
+        if parser.peek().kind != "eof":
+            raise LoomError(f"tensor name {pattern!r}: placeholder {{{m.group(1)}}} is not one expression")
+        out.append((m.group(0), code))
+    return out
 
 
 class LoomError(ValueError):
@@ -91,8 +114,8 @@ class Param:
     name: str
     count: list | None          # code for the layer count when declared as name[count]
     dtype: str
-    dims: list                  # code per dimension
-    sources: list               # tensor name patterns ({i} = layer index) or, prefixed "=", another param
+    dims: list                  # code per dimension; ANY_DIM takes the tensor's own size
+    sources: list               # tensor name patterns ({EXPR} placeholders) or, prefixed "=", another param
     when: list | None = None    # code for a condition: the param exists only where it holds
 
 
@@ -290,7 +313,7 @@ class Parser:
             self.expect("]")
         self.expect(":")
         dtype = self.dtype()
-        dims = self.shape()
+        dims = self.shape(any_dim=True)
         self.expect("=")
         sources = [self.source_ref()]
         while self.accept("|"):
@@ -309,13 +332,19 @@ class Parser:
             raise self.error(f"expected a dtype ({', '.join(DTYPES)})")
         return self.next().text
 
-    def shape(self):
+    def shape(self, any_dim=False):
         self.expect("[")
-        dims = [self.expr()]
+        dims = [self.dim(any_dim)]
         while self.accept(","):
-            dims.append(self.expr())
+            dims.append(self.dim(any_dim))
         self.expect("]")
         return dims
+
+    def dim(self, any_dim):
+        if any_dim and self.at("?") and self.peek(1).text in (",", "]"):
+            self.next()
+            return list(ANY_DIM)
+        return self.expr()
 
     def state(self, module, tok):
         name = self.name()
@@ -626,13 +655,24 @@ def check(module, source=None):
     specs = {s.name for s in module.specs}
     params = {p.name for p in module.params}
     for p in module.params:
+        layer = specs | ({"i"} if p.count is not None else set())     # a layered param's own index
         if p.count is not None:
             _check_expr(p.count, specs, f"param {p.name}", fail)
-        for dim in p.dims + ([p.when] if p.when is not None else []):
-            _check_expr(dim, specs, f"param {p.name}", fail)
+        for dim in p.dims:
+            if tuple(dim) != ANY_DIM:
+                _check_expr(dim, layer, f"param {p.name}", fail)
+        if p.when is not None:
+            _check_expr(p.when, layer, f"param {p.name}", fail)
         for src in p.sources:
             if src.startswith("=") and src[1:] not in params:
                 fail(f"param {p.name}: source {src[1:]!r} is not a param")
+            if not src.startswith("="):
+                try:
+                    placeholders = pattern_code(src)
+                except LoomError as e:
+                    fail(f"param {p.name}: {e.message}")
+                for _, code in placeholders:
+                    _check_expr(code, layer, f"param {p.name} source {src!r}", fail)
     for s in module.states:
         for code in ([s.page] if s.page else []) + s.dims:
             _check_expr(code, specs, f"state {s.name}", fail)

@@ -19,7 +19,7 @@ Two steps, both pure Python and device-free:
 import math
 from dataclasses import dataclass, field
 
-from .language import LoomError
+from .language import ANY_DIM, LoomError, pattern_code
 
 MAX_STEPS = 2_000_000     # instructions per plan: a runaway loop fails instead of hanging
 MAX_DEPTH = 32            # nested command calls
@@ -300,7 +300,21 @@ class Binding:
                 raise LoomError(f"pages() needs a paged state, got {_show(ref)}")
             return self.options.get("pages", 0)
 
-        return {"dtype": dtype, "pages": pages, "option": lambda k, *d: _option(self.options, k, d)}
+        def present(ref):
+            if not isinstance(ref, Ref) or ref.kind != "param":
+                raise LoomError(f"present() needs a param, got {_show(ref)}")
+            return (ref.name, ref.index) in self.params
+
+        def dim(ref, axis):
+            if not isinstance(ref, Ref) or ref.kind != "param" or (ref.name, ref.index) not in self.params:
+                raise LoomError(f"dim() needs a param that is present, got {_show(ref)}")
+            shape = self.param_shape(ref)
+            if isinstance(axis, bool) or not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
+                raise LoomError(f"dim(): {ref.name} has no axis {_show(axis)}")
+            return shape[axis]
+
+        return {"dtype": dtype, "pages": pages, "present": present, "dim": dim,
+                "option": lambda k, *d: _option(self.options, k, d)}
 
     def _run(self, cmd, args, plan, steps, depth):
         if depth > MAX_DEPTH:
@@ -498,7 +512,20 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
             return default[0]
         raise LoomError(f"the checkpoint has no metadata {key!r}")
 
-    def shape(name, axis):
+    def expand(pattern, names):
+        """A tensor name pattern with its {EXPR} placeholders evaluated over `names`."""
+        if not isinstance(pattern, str):
+            raise LoomError(f"a tensor name must be a string, got {_show(pattern)}")
+        out = pattern
+        for text, code in pattern_code(pattern):
+            value = evaluate(code, Scope(names, builtins, f"tensor name {pattern!r}"))
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise LoomError(f"tensor name {pattern!r}: {text} is {_show(value)}, not an integer or a string")
+            out = out.replace(text, str(value), 1)
+        return out
+
+    def shape(name, axis, names=None):
+        name = expand(name, names if names is not None else specs)
         if name not in tensors:
             raise LoomError(f"the checkpoint has no tensor {name!r}")
         dims = tensors[name].shape
@@ -506,31 +533,45 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
             raise LoomError(f"tensor {name!r} has no axis {axis}")
         return dims[axis]
 
-    def count(pattern):
-        """How many layers a checkpoint holds: i = 0, 1, ... while pattern's {i} names a tensor."""
-        if not isinstance(pattern, str) or "{i}" not in pattern:
+    def count(pattern, names=None):
+        """How many layers a checkpoint holds: i = 0, 1, ... while the pattern with i names a tensor."""
+        if not isinstance(pattern, str) or not _uses_index([("str", pattern)]):
             raise LoomError("count() needs a tensor name pattern with {i}")
         n = 0
-        while n <= 4096 and pattern.replace("{i}", str(n)) in tensors:
+        while n <= 4096 and expand(pattern, dict(names if names is not None else specs, i=n)) in tensors:
             n += 1
         return n
 
-    builtins = {"meta": meta, "shape": shape, "has": lambda name: name in tensors, "count": count,
+    def scoped(names):
+        """Builtins whose tensor names see `names` (the specs, and a layer's i)."""
+        return dict(builtins, shape=lambda name, axis: shape(name, axis, names),
+                    has=lambda name: expand(name, names) in tensors,
+                    count=lambda pattern: count(pattern, names))
+
+    builtins = {"meta": meta, "shape": shape, "has": lambda name: expand(name, specs) in tensors, "count": count,
                 "option": lambda k, *d: _option(options, k, d)}
     for spec in module.specs:
-        specs[spec.name] = evaluate(spec.code, Scope(dict(specs, format=fmt or "", driver=driver), builtins, f"spec {spec.name}"))
+        names = dict(specs, format=fmt or "", driver=driver)
+        specs[spec.name] = evaluate(spec.code, Scope(names, scoped(names), f"spec {spec.name}"))
     scope_names = dict(specs)
     params = {}
     for p in module.params:
-        scope = Scope(scope_names, builtins, f"param {p.name}")
-        if p.when is not None and not _truth(evaluate(p.when, scope), scope.where):
+        scope = Scope(scope_names, scoped(scope_names), f"param {p.name}")
+        per_layer = p.when is not None and p.count is not None and _uses_index(p.when)
+        if p.when is not None and not per_layer and not _truth(evaluate(p.when, scope), scope.where):
             continue  # absent in this checkpoint's configuration; commands branch around it
-        count = None if p.count is None else _int(evaluate(p.count, scope), scope.where)
-        if count is not None and not 0 <= count <= 4096:
-            raise LoomError(f"param {p.name}: layer count {count} out of range")
-        dims = tuple(_dim(evaluate(d, scope), scope.where) for d in p.dims)
-        for index in range(count) if count is not None else [None]:
-            params[(p.name, index)] = _resolve_param(p, index, dims, tensors, params)
+        count_ = None if p.count is None else _int(evaluate(p.count, scope), scope.where)
+        if count_ is not None and not 0 <= count_ <= 4096:
+            raise LoomError(f"param {p.name}: layer count {count_} out of range")
+        for index in range(count_) if count_ is not None else [None]:
+            names = scope_names if index is None else dict(scope_names, i=index)
+            where = f"param {p.name}" + (f"[{index}]" if index is not None else "")
+            layer = Scope(names, scoped(names), where)
+            if per_layer and not _truth(evaluate(p.when, layer), where):
+                continue  # this layer is absent (say, a block without attention): commands test present()
+            dims = tuple(None if tuple(d) == ANY_DIM else _dim(evaluate(d, layer), where) for d in p.dims)
+            sources = [src if src.startswith("=") else expand(src, names) for src in p.sources]
+            params[(p.name, index)] = _resolve_param(p, index, dims, sources, tensors, params)
     states = {}
     for s in module.states:
         scope = Scope(scope_names, builtins, f"state {s.name}")
@@ -544,30 +585,53 @@ STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32",
            **{t: t for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}}
 
 
-def _resolve_param(p, index, dims, tensors, params):
+def _uses_index(code):
+    """Whether code mentions the layer index i, itself or in a tensor name's placeholder."""
+    for ins in code:
+        if tuple(ins) == ("name", "i"):
+            return True
+        if ins[0] == "str" and "{" in ins[1]:
+            try:
+                if any(_uses_index(inner) for _, inner in pattern_code(ins[1])):
+                    return True
+            except LoomError:
+                continue    # not a pattern: any use of it as a tensor name reports the brace
+    return False
+
+
+def _resolve_param(p, index, dims, sources, tensors, params):
+    """The first of `sources` (names with their placeholders filled in) that the checkpoint holds."""
     where = f"param {p.name}" + (f"[{index}]" if index is not None else "")
     tried = []
-    for src in p.sources:
+
+    def fits(shape):
+        return len(shape) == len(dims) and all(d is None or d == n for d, n in zip(dims, shape))
+
+    def wanted():
+        return "(" + ", ".join("?" if d is None else str(d) for d in dims) + ")"
+
+    for src in sources:
         if src.startswith("="):
             target = (src[1:], index if (src[1:], index) in params else None)
             if target in params:
                 other = params[target]
-                if other.shape != dims:
-                    raise LoomError(f"{where}: alias {src[1:]} has shape {other.shape}, expected {dims}")
-                return BoundParam(p.name, index, None, target, dims, p.dtype, other.storage)
+                if not fits(other.shape):
+                    raise LoomError(f"{where}: alias {src[1:]} has shape {other.shape}, expected {wanted()}")
+                return BoundParam(p.name, index, None, target, other.shape, p.dtype, other.storage)
             tried.append(src[1:])
             continue
-        name = src.replace("{i}", str(index)) if index is not None else src
+        name = src
         tried.append(name)
         tensor = tensors.get(name)
         if tensor is None:
             continue
-        if tuple(tensor.shape) != dims:
-            raise LoomError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the module expects {dims}")
+        if not fits(tuple(tensor.shape)):
+            raise LoomError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the module expects "
+                            f"{wanted()}")
         if tensor.dtype not in STORAGE:
             raise LoomError(f"{where}: tensor {name!r} has unsupported type {tensor.dtype}")
         storage = {"f32": "F32", "f16": "F16", "i32": "I32"}.get(p.dtype) or STORAGE[tensor.dtype]
         if p.dtype == "i32" and tensor.dtype not in ("F32",):
             raise LoomError(f"{where}: i32 params need integer-valued F32 tensors")
-        return BoundParam(p.name, index, name, None, dims, p.dtype, storage)
+        return BoundParam(p.name, index, name, None, tuple(tensor.shape), p.dtype, storage)
     raise LoomError(f"{where}: none of {tried} is in the checkpoint")

@@ -367,3 +367,87 @@ def test_format_version_1_files_still_read():
     assert struct.unpack("<H", bytecode.write(sample())[8:10]) == (bytecode.FORMAT_VERSION,) == (2,)
     with pytest.raises(LoomError, match="format version 3 is not supported"):
         bytecode.read(data[:8] + struct.pack("<H", 3) + data[10:])
+
+
+# -- layers that differ: placeholders, "?" dimensions, per-layer `when` ------------------------
+
+NESTED = '''
+module nested kind image
+spec NB = count("down.{i}.res.0.w")                  # blocks
+spec LPB = count("down.0.res.{i}.w")                 # layers per block
+param w[NB * LPB] : f32 [?, ?] = "down.{i // LPB}.res.{i % LPB}.w"
+param attn[NB * LPB] : f32 [dim_of_i(i)] = "down.{i // LPB}.attn.{i % LPB}.g" when has("down.{i // LPB}.attn.0.g")
+param skip[NB * LPB] : f32 [?, ?] = "down.{i // LPB}.res.{i % LPB}.skip" when has("down.{i // LPB}.res.{i % LPB}.skip")
+param head : f32 [shape("down.{NB - 1}.res.{LPB - 1}.w", 0)] = "head.{NB * 10 + 1}"
+kernel k(x: tensor[O, C], n: int)
+    source """__kernel void k(__global float *x, int n) {}"""
+    defines { O = O, C = C }
+    grid [O]
+command c(n: int) {
+    for l in 0..NB * LPB {
+        k(w[l], dim(w[l], 1))
+        if present(skip[l]) { k(skip[l], 0) }
+        if present(attn[l]) { k(w[l], -1) }
+    }
+}
+'''
+
+
+def nested_tensors(blocks=3, layers=2, channels=(4, 8, 16)):
+    t = {}
+    for b in range(blocks):
+        for j in range(layers):
+            cin = channels[b - 1] if b and j == 0 else channels[b]
+            t[f"down.{b}.res.{j}.w"] = vm.Tensor((channels[b], cin), "F32")
+            if cin != channels[b]:
+                t[f"down.{b}.res.{j}.skip"] = vm.Tensor((channels[b], cin), "F32")
+            if b < 2:
+                t[f"down.{b}.attn.{j}.g"] = vm.Tensor((channels[b],), "F32")
+    t["head.31"] = vm.Tensor((channels[-1],), "F32")
+    return t
+
+
+def test_layers_differ_by_placeholders_any_dims_and_per_layer_when():
+    module = language.parse(NESTED.replace("dim_of_i(i)", "?"))
+    b = vm.bind(module, {}, nested_tensors())
+    assert (b.specs["NB"], b.specs["LPB"]) == (3, 2)
+    assert [b.params[("w", l)].tensor for l in range(6)] == [f"down.{l // 2}.res.{l % 2}.w" for l in range(6)]
+    assert [b.params[("w", l)].shape for l in range(6)] == [(4, 4), (4, 4), (8, 4), (8, 8), (16, 8), (16, 16)]
+    assert sorted(l for (name, l) in b.params if name == "skip") == [2, 4]
+    assert sorted(l for (name, l) in b.params if name == "attn") == [0, 1, 2, 3]
+    assert b.params[("head", None)].tensor == "head.31" and b.params[("head", None)].shape == (16,)
+    plan = b.plan("c", n=1)
+    got = [(launch.defines["O"], launch.defines["C"], launch.args[1]) for launch in plan.launches]
+    assert got == [(4, 4, 4), (4, 4, -1), (4, 4, 4), (4, 4, -1),
+                   (8, 4, 4), (8, 4, 0), (8, 4, -1), (8, 8, 8), (8, 8, -1),
+                   (16, 8, 8), (16, 8, 0), (16, 16, 16)]
+    again = bytecode.read(bytecode.write(module))              # "?" and placeholders survive the binary form
+    assert language.format_module(again) == language.format_module(module)
+    assert "[?, ?]" in language.format_module(module)
+
+
+@pytest.mark.parametrize("change, message", [
+    (('"down.{i // LPB}.res.{i % LPB}.w"', '"down.{i // LPB.res.w"'), "unmatched brace"),
+    (('"down.{i // LPB}.res.{i % LPB}.w"', '"down.{}.w"'), "empty placeholder"),
+    (('"down.{i // LPB}.res.{i % LPB}.w"', '"down.{i i}.w"'), "not one expression"),
+    (('"down.{i // LPB}.res.{i % LPB}.w"', '"down.{j}.w"'), "unknown name 'j'"),
+    (('"head.{NB * 10 + 1}"', '"head.{i}"'), "unknown name 'i'"),          # not a layered param
+    (("dim_of_i(i)", "i + ?"), "expected an expression"),
+])
+def test_placeholder_and_any_dim_errors(change, message):
+    with pytest.raises(LoomError, match=message):
+        language.parse(NESTED.replace(*change).replace("dim_of_i(i)", "?"))
+
+
+def test_layer_dims_may_use_i_and_a_misfit_names_the_layer():
+    module = language.parse(NESTED.replace("dim_of_i(i)", "4 * 2 ** (i // LPB)"))
+    b = vm.bind(module, {}, nested_tensors())
+    assert [b.params[("attn", l)].shape for l in range(4)] == [(4,), (4,), (8,), (8,)]
+    bad = nested_tensors()
+    bad["down.1.res.1.w"] = vm.Tensor((8, 8, 1), "F32")
+    with pytest.raises(LoomError, match=r"param w\[3\]: tensor 'down.1.res.1.w' has shape \(8, 8, 1\), "
+                                        r"the module expects \(\?, \?\)"):
+        vm.bind(module, {}, bad)
+    with pytest.raises(LoomError, match=r"dim\(\) needs a param that is present"):
+        vm.bind(language.parse(NESTED.replace("dim_of_i(i)", "?").replace("k(skip[l], 0)", "k(w[l], dim(skip[0], 0))")),
+                {}, nested_tensors()).plan("c", n=1)
