@@ -16,7 +16,10 @@
  *     float scale)
  *
  * Macros: N_HEADS, HEAD_DIM (multiple of 8) required; N_KV_HEADS (N_HEADS);
- *   CAUSAL. With a fused QKV projection pass one buffer three times with
+ *   CAUSAL; KV_OFFSETS: cross-attention, the kernel takes `const __global int
+ *   *kv_offsets` right after S, and sequence s's queries attend to keys
+ *   kv_offsets[s] .. kv_offsets[s+1]-1 of K and V (Stable Diffusion: an image's
+ *   pixels to its prompt's tokens). With a fused QKV projection pass one buffer three times with
  *   column offsets q_off/k_off/v_off and the fused row length as ld.
  * Launch: global = (N_HEADS, T), local = any dividing N_HEADS (NULL is fine).
  * Online softmax over tiles of 16 keys, as in attention.cl.
@@ -43,6 +46,9 @@ __kernel void attention_seq(const __global float *Q, int q_off, int ldq,
                             const __global float *K, int k_off, int ldk,
                             const __global float *V, int v_off, int ldv,
                             const __global int *offsets, int S,
+#ifdef KV_OFFSETS
+                            const __global int *kv_offsets,
+#endif
                             __global float *O, int o_off, int ldo,
                             int T, float scale)
 {
@@ -60,11 +66,12 @@ __kernel void attention_seq(const __global float *Q, int q_off, int ldq,
         else
             hi = mid - 1;
     }
-    const int first = offsets[lo];
-#ifdef CAUSAL
-    const int end = t + 1;
+#if defined(KV_OFFSETS)
+    const int first = kv_offsets[lo], end = kv_offsets[lo + 1];
+#elif defined(CAUSAL)
+    const int first = offsets[lo], end = t + 1;
 #else
-    const int end = offsets[lo + 1];
+    const int first = offsets[lo], end = offsets[lo + 1];
 #endif
 
     float8 qv[HD8], av[HD8];

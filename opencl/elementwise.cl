@@ -20,6 +20,8 @@
  *   kernel gelu(const __global float *X, __global float *Y, int n)   Y may be X
  *       gelu(x) = x/2 (1 + erf(x / sqrt 2)); with GELU_TANH the approximation
  *       x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+ *   kernel quick_gelu(X, Y, n)    Y = x * sigmoid(1.702 x) (CLIP's text encoder), Y may be X
+ *   kernel silu(X, Y, n)          Y = x * sigmoid(x), Y may be X
  *   kernel add(__global float *Y, const __global float *X, int n)    Y += X
  *   kernel mul(__global float *Y, const __global float *X, int n)    Y *= X
  *   kernel scale(__global float *Y, int n, float s)                  Y *= s
@@ -114,6 +116,22 @@ __kernel void gelu(const __global float *X, __global float *Y, int n)
     const int i = get_global_id(0);
     if (i < n)
         Y[i] = act_gelu(X[i]);
+}
+
+__kernel void quick_gelu(const __global float *X, __global float *Y, int n)
+{
+    const int i = get_global_id(0);
+    if (i < n) {
+        const float x = X[i];
+        Y[i] = x / (1.0f + loom_exp(-1.702f * x));
+    }
+}
+
+__kernel void silu(const __global float *X, __global float *Y, int n)
+{
+    const int i = get_global_id(0);
+    if (i < n)
+        Y[i] = act_silu(X[i]);
 }
 
 __kernel void leaky_relu(const __global float *X, __global float *Y, int n, float slope)

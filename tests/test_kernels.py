@@ -773,6 +773,35 @@ def test_attention_seq(env, causal, split_v):
     assert_close(env.read(ob, (t, qw)), ref.reshape(t, -1), 1e-5)
 
 
+def test_attention_seq_cross(env):
+    """KV_OFFSETS: sequence s's queries attend to its own stretch of another buffer (SD's cross-attention)."""
+    heads, dh = 4, 16
+    prg = env.build("attention_seq", N_HEADS=heads, HEAD_DIM=dh, KV_OFFSETS=True)
+    q_lens, kv_lens = [64, 3, 20], [77, 5, 1]
+    q_off = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_off = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    t, u, w = int(q_off[-1]), int(kv_off[-1]), heads * dh
+    r = rng(401)
+    q = (r.standard_normal((t, w)) * 3).astype(np.float32)
+    kv = (r.standard_normal((u, 2 * w)) * 3).astype(np.float32)      # K then V in one buffer
+    ob = env.empty(t * w * 4)
+    kvb = env.buf(kv)
+    scale = 1.0 / np.sqrt(dh)
+    env.run(prg.attention_seq, (heads, t), None, env.buf(q), i32(0), i32(w), kvb, i32(0), i32(2 * w),
+            kvb, i32(w), i32(2 * w), env.buf(q_off), i32(len(q_lens)), env.buf(kv_off), ob, i32(0), i32(w),
+            i32(t), f32(scale))
+    ref = np.zeros((t, w))
+    x, y = q.astype(np.float64), kv.astype(np.float64)
+    for s in range(len(q_lens)):
+        k, v = y[kv_off[s]:kv_off[s + 1], :w], y[kv_off[s]:kv_off[s + 1], w:]
+        for h in range(heads):
+            cols = slice(h * dh, (h + 1) * dh)
+            sc = x[q_off[s]:q_off[s + 1], cols] @ k[:, cols].T * scale
+            e = np.exp(sc - sc.max(1, keepdims=True))
+            ref[q_off[s]:q_off[s + 1], cols] = (e / e.sum(1, keepdims=True)) @ v[:, cols]
+    assert_close(env.read(ob, (t, w)), ref, 1e-5)
+
+
 # ---------------------------------------------------------------- elementwise
 
 def silu(x):
@@ -823,6 +852,18 @@ def test_gelu(env, tanh):
     env.run(prg.gelu, (1024,), (64,), xb, xb, i32(n))
     ref = (gelu_tanh if tanh else gelu_erf)(x.astype(np.float64))
     assert_close(env.read(xb, n), ref, 1e-5)
+
+
+def test_quick_gelu_and_silu(env):
+    prg = env.build("elementwise")
+    n = 1000
+    x = (rng(503).standard_normal(n) * 6).astype(np.float32)
+    x[:3] = [-90.0, 90.0, 0.0]
+    x64 = x.astype(np.float64)
+    for name, ref in [("quick_gelu", x64 / (1.0 + np.exp(-1.702 * x64))), ("silu", silu(x64))]:
+        yb = env.empty(n * 4)
+        env.run(getattr(prg, name), (1024,), (64,), env.buf(x), yb, i32(n))
+        assert_close(env.read(yb, n), ref, 1e-5)
 
 
 def test_add_mul_scale_add_bias(env):
