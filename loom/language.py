@@ -654,6 +654,7 @@ def check(module, source=None):
         seen.add(spec.name)
     specs = {s.name for s in module.specs}
     params = {p.name for p in module.params}
+    declared = set()
     for p in module.params:
         layer = specs | ({"i"} if p.count is not None else set())     # a layered param's own index
         if p.count is not None:
@@ -661,8 +662,9 @@ def check(module, source=None):
         for dim in p.dims:
             if tuple(dim) != ANY_DIM:
                 _check_expr(dim, layer, f"param {p.name}", fail)
-        if p.when is not None:
-            _check_expr(p.when, layer, f"param {p.name}", fail)
+        if p.when is not None:      # may test present() of a param declared above
+            _check_expr(p.when, layer | declared, f"param {p.name}", fail)
+        declared.add(p.name)
         for src in p.sources:
             if src.startswith("=") and src[1:] not in params:
                 fail(f"param {p.name}: source {src[1:]!r} is not a param")

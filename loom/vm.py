@@ -512,16 +512,19 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
             return default[0]
         raise LoomError(f"the checkpoint has no metadata {key!r}")
 
-    def expand(pattern, names):
-        """A tensor name pattern with its {EXPR} placeholders evaluated over `names`."""
+    def expand(pattern, names, depth=0):
+        """A tensor name pattern with its {EXPR} placeholders evaluated over `names`. A value may
+        hold placeholders itself (a spec naming a block's prefix), expanded in turn."""
         if not isinstance(pattern, str):
             raise LoomError(f"a tensor name must be a string, got {_show(pattern)}")
+        if depth > MAX_EXPANSION:
+            raise LoomError(f"tensor name {pattern!r}: placeholders nest deeper than {MAX_EXPANSION}")
         out = pattern
         for text, code in pattern_code(pattern):
             value = evaluate(code, Scope(names, builtins, f"tensor name {pattern!r}"))
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise LoomError(f"tensor name {pattern!r}: {text} is {_show(value)}, not an integer or a string")
-            out = out.replace(text, str(value), 1)
+            out = out.replace(text, expand(value, names, depth + 1) if isinstance(value, str) else str(value), 1)
         return out
 
     def shape(name, axis, names=None):
@@ -535,7 +538,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
 
     def count(pattern, names=None):
         """How many layers a checkpoint holds: i = 0, 1, ... while the pattern with i names a tensor."""
-        if not isinstance(pattern, str) or not _uses_index([("str", pattern)]):
+        if not isinstance(pattern, str) or not _uses_index([("str", pattern)], specs):
             raise LoomError("count() needs a tensor name pattern with {i}")
         n = 0
         while n <= 4096 and expand(pattern, dict(names if names is not None else specs, i=n)) in tensors:
@@ -546,7 +549,12 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
         """Builtins whose tensor names see `names` (the specs, and a layer's i)."""
         return dict(builtins, shape=lambda name, axis: shape(name, axis, names),
                     has=lambda name: expand(name, names) in tensors,
-                    count=lambda pattern: count(pattern, names))
+                    count=lambda pattern: count(pattern, names), present=present)
+
+    def present(ref):
+        if not isinstance(ref, Ref) or ref.kind != "param":
+            raise LoomError(f"present() needs a param, got {_show(ref)}")
+        return (ref.name, ref.index) in params
 
     builtins = {"meta": meta, "shape": shape, "has": lambda name: expand(name, specs) in tensors, "count": count,
                 "option": lambda k, *d: _option(options, k, d)}
@@ -557,14 +565,15 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
     params = {}
     for p in module.params:
         scope = Scope(scope_names, scoped(scope_names), f"param {p.name}")
-        per_layer = p.when is not None and p.count is not None and _uses_index(p.when)
+        per_layer = p.when is not None and p.count is not None and _uses_index(p.when, specs)
         if p.when is not None and not per_layer and not _truth(evaluate(p.when, scope), scope.where):
             continue  # absent in this checkpoint's configuration; commands branch around it
         count_ = None if p.count is None else _int(evaluate(p.count, scope), scope.where)
         if count_ is not None and not 0 <= count_ <= 4096:
             raise LoomError(f"param {p.name}: layer count {count_} out of range")
+        refs = {q.name: Ref("param", q.name) for q in module.params}      # for a when's present()
         for index in range(count_) if count_ is not None else [None]:
-            names = scope_names if index is None else dict(scope_names, i=index)
+            names = dict(refs, **scope_names) if index is None else dict(refs, **scope_names, i=index)
             where = f"param {p.name}" + (f"[{index}]" if index is not None else "")
             layer = Scope(names, scoped(names), where)
             if per_layer and not _truth(evaluate(p.when, layer), where):
@@ -585,14 +594,21 @@ STORAGE = {"F32": "F32", "F16": "F16", "BF16": "F32",
            **{t: t for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}}
 
 
-def _uses_index(code):
-    """Whether code mentions the layer index i, itself or in a tensor name's placeholder."""
+MAX_EXPANSION = 8
+
+
+def _uses_index(code, specs, depth=0):
+    """Whether code mentions the layer index i: itself, or in a tensor name's placeholders
+    (following string specs, whose placeholders expand in turn)."""
+    if depth > MAX_EXPANSION:
+        return False
     for ins in code:
         if tuple(ins) == ("name", "i"):
             return True
-        if ins[0] == "str" and "{" in ins[1]:
+        text = ins[1] if ins[0] == "str" else specs.get(ins[1]) if ins[0] == "name" else None
+        if isinstance(text, str) and "{" in text:
             try:
-                if any(_uses_index(inner) for _, inner in pattern_code(ins[1])):
+                if any(_uses_index(inner, specs, depth + 1) for _, inner in pattern_code(text)):
                     return True
             except LoomError:
                 continue    # not a pattern: any use of it as a tensor name reports the brace
