@@ -1,13 +1,15 @@
-"""Tokenizers: byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM), SentencePiece-style BPE with
-byte fallback (Llama-2, Mistral) and WordPiece (BERT).
+"""Tokenizers: byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM; CLIP's with a "</w>" word-end
+suffix), SentencePiece-style BPE with byte fallback (Llama-2, Mistral) and WordPiece (BERT).
 
-Loaded from a Hugging Face ``tokenizer.json``, a folder with ``vocab.txt`` (WordPiece), or the
-``tokenizer.ggml.*`` keys of GGUF metadata.  Encoding and decoding follow the Hugging Face
-``tokenizers`` library step for step (added tokens -> normalizer -> pre-tokenizer -> model ->
-post-processor; decoder chain), so ids are equal.  Standard library + numpy only: the Unicode
-classes of HF's Oniguruma regexes and Rust tables are rebuilt from ``unicodedata`` (plus small
-tables for where HF's Unicode versions differ from Python's), and Oniguruma patterns are
-translated to ``re``.  ``loom._native.bpe`` (Cython) runs the BPE merge loop when built; the
+Loaded from a Hugging Face ``tokenizer.json``, a folder with ``vocab.txt`` (WordPiece), CLIP's
+``vocab.json`` + ``merges.txt`` (``from_clip_files``: the tokenizer.json HF writes for CLIP,
+synthesized from them), or the ``tokenizer.ggml.*`` keys of GGUF metadata.  Encoding and
+decoding follow the Hugging Face ``tokenizers`` library step for step (added tokens ->
+normalizer -> pre-tokenizer -> model -> post-processor; decoder chain), so ids are equal.
+Standard library + numpy only: the Unicode classes of HF's Oniguruma regexes and Rust tables
+are rebuilt from ``unicodedata`` (plus small tables for where HF's Unicode versions differ from
+Python's: categories, lowercasing, normalization), and Oniguruma patterns are translated to
+``re``.  ``loom._native.bpe`` (Cython) runs the BPE merge loop when built; the
 pure-Python loop here gives the same ids.
 
 Bounded for untrusted text: BPE runs per pre-token with a heap (O(n log n), no length cap, so
@@ -34,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the build
     _native_bpe = None
 
 __all__ = ["TokenizerError", "Tokenizer", "Detokenizer", "from_tokenizer_json",
-           "from_gguf_metadata", "load"]
+           "from_gguf_metadata", "from_clip_files", "clip_tokenizer_json", "load"]
 
 
 class TokenizerError(ValueError):
@@ -76,6 +78,17 @@ _UNICODE16 = """
 1f77b-1f77f:So 1f7d9:So 1f8b2-1f8bb:So 1f8c0-1f8c1:So 1fa75-1fa77:So 1fa87-1fa89:So 1fa8f:So
 1faad-1faaf:So 1fabb-1fabf:So 1fac6:So 1face-1facf:So 1fada-1fadc:So 1fadf:So 1fae8-1fae9:So
 1faf7-1faf8:So 1fbcb-1fbef:So 2b739:Lo 2ebf0-2ee5d:Lo 31350-323af:Lo
+"""
+
+# Code points Python 3.11's normalization data (Unicode 14) acts on but HF's (the
+# unicode-normalization-alignments crate, Unicode 9) does not know, so HF leaves them as they
+# are, as starters (combining class 0): the combining marks of Unicode 10 to 14, characters
+# with decompositions from Unicode 12 to 14, and Dives Akuru's composition 11935 11930 -> 11938.
+_NORM_OLDER = """
+7fd 898-89f 8ca-8d3 9fe c3c d3b-d3c eba 1715 1abf-1ace 1df6-1dfa 32ff a7f2-a7f4 a82c ab69
+10781-10785 10787-107b0 107b2-107ba 10d24-10d27 10eab-10eac 10f46-10f50 10f82-10f85 11070
+1133b 1145e 11839-1183a 11930 11935 11938 1193d-1193e 11943 119e0 11a34 11a47 11a99 11d42
+11d44-11d45 11d97 16ff0-16ff1 1e130-1e136 1e2ae 1e2ec-1e2ef 1f16c 1fbf0-1fbf9
 """
 
 # HF's BERT normalizer/pre-tokenizer classify with the `unicode_categories` crate, whose tables
@@ -266,9 +279,24 @@ def _bert_classes() -> dict:
     }
 
 
+# Lowercase mappings that Rust's char::to_lowercase (HF's Lowercase; Unicode 17 in tokenizers
+# 0.23) has for letters Python 3.11's Unicode 14 leaves unassigned: Cyrillic TJE, Latin letters
+# of Unicode 16/17, Garay and Beria Erfe capitals.  Kept only where unicodedata says "Cn", so a
+# newer Python's own data wins.
+_LOWER_NEWER = {c: t for c, t in {
+    0x1C89: 0x1C8A, 0xA7CB: 0x0264, 0xA7CC: 0xA7CD, 0xA7CE: 0xA7CF, 0xA7D2: 0xA7D3, 0xA7D4: 0xA7D5,
+    0xA7DA: 0xA7DB, 0xA7DC: 0x019B, **{c: c + 0x20 for c in range(0x10D50, 0x10D66)},
+    **{c: c + 0x1B for c in range(0x16EA0, 0x16EB9)}}.items()
+    if unicodedata.category(chr(c)) == "Cn"}
+_LOWER_NEWER_RX = re.compile("[%s]" % "".join(map(chr, _LOWER_NEWER))) if _LOWER_NEWER else None
+
+
 def _lower(s: str) -> str:
     # Rust lowercases char by char; Python applies the final-sigma rule, so pre-map capital sigma.
-    return s.replace("\u03a3", "\u03c3").lower()
+    s = s.replace("\u03a3", "\u03c3").lower()
+    if _LOWER_NEWER_RX is not None and not s.isascii() and _LOWER_NEWER_RX.search(s):
+        s = s.translate(_LOWER_NEWER)
+    return s
 
 
 # --------------------------------------------------------------------------- Oniguruma -> re
@@ -742,7 +770,7 @@ def _build_normalizer(spec):
         rx, content = _pattern(spec["pattern"]), spec["content"]
         return lambda s: rx.sub(lambda m: content, s)
     if kind in ("NFC", "NFD", "NFKC", "NFKD"):
-        return functools.partial(unicodedata.normalize, kind)
+        return _unicode_normalizer(kind)
     if kind == "Lowercase":
         return _lower
     if kind == "Strip":
@@ -761,6 +789,27 @@ def _build_normalizer(spec):
         return _bert_normalizer(spec.get("clean_text", True), spec.get("handle_chinese_chars", True),
                                 spec.get("strip_accents"), spec.get("lowercase", True))
     raise TokenizerError(f"unsupported normalizer {kind!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _norm_older_rx() -> re.Pattern:
+    return re.compile("([%s])" % _ranges_body(_parse_ranges(_NORM_OLDER)))
+
+
+def _unicode_normalizer(form: str):
+    """unicodedata.normalize(form) as HF applies it: the characters its older tables do not know
+    pass through unchanged, and as starters they end the text around them for reordering and
+    composition, so each stretch between them normalizes on its own."""
+    rx = _norm_older_rx()
+
+    def normalize(s):
+        if s.isascii():  # ASCII is its own normal form in all four
+            return s
+        if not rx.search(s):
+            return unicodedata.normalize(form, s)
+        parts = rx.split(s)  # odd items: the characters HF's tables do not know
+        return "".join(p if i % 2 else unicodedata.normalize(form, p) for i, p in enumerate(parts))
+    return normalize
 
 
 def _bert_normalizer(clean_text, handle_chinese, strip_accents, lowercase):
@@ -1558,14 +1607,14 @@ def folder_reader(folder):
     return read
 
 
-def _config(read) -> dict:
-    data = read("tokenizer_config.json")
+def _config(read, name: str = "tokenizer_config.json") -> dict:
+    data = read(name)
     if data is None:
         return {}
     try:
         config = json.loads(data)
-    except ValueError as exc:
-        raise TokenizerError(f"cannot read tokenizer_config.json: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise TokenizerError(f"cannot read {name}: {exc}") from None
     return config if isinstance(config, dict) else {}
 
 
@@ -1609,6 +1658,127 @@ def from_folder(read) -> Tokenizer | None:
                            strip_accents=config.get("strip_accents"),
                            chinese=bool(config.get("tokenize_chinese_chars", True)),
                            names={k: v for k, v in names.items() if v})
+
+
+# --------------------------------------------------------------------------- CLIP files
+# diffusers folders ship CLIP's slow-tokenizer files (vocab.json, merges.txt), no tokenizer.json.
+# The pipeline below is the tokenizer.json HF tokenizers holds for openai/clip-vit-large-patch14
+# (what transformers' CLIPConverter writes), so ids equal CLIPTokenizerFast's.  Not reproduced
+# from CLIP's own Python tokenizer: ftfy.fix_text and html.unescape (twice) before normalizing,
+# so "&amp;" here is "&", "amp", ";".  Its strip() changes nothing: the split drops whitespace.
+
+_CLIP_BOS, _CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+_CLIP_SPLIT = (r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|"
+               r"[^\s\p{L}\p{N}]+")
+
+
+def _clip_vocab(data: bytes) -> dict:
+    try:
+        vocab = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise TokenizerError(f"vocab.json is not valid JSON: {exc}") from None
+    if not isinstance(vocab, dict):
+        raise TokenizerError("vocab.json must be an object of token -> id, got "
+                             + type(vocab).__name__)
+    for token, tid in vocab.items():
+        if tid.__class__ is not int or not 0 <= tid < 2**32:  # HF ids are u32; bools are not ids
+            raise TokenizerError(f"vocab.json: token {token!r} has id {tid!r}; "
+                                 f"ids are integers 0 .. 2**32-1")
+    return vocab
+
+
+def _clip_merges(data: bytes) -> list:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"merges.txt is not valid UTF-8: {exc}") from None
+    merges = []
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line[:-1] if line.endswith("\r") else line
+        if not line or line.startswith("#version"):  # HF skips the header; blank: no merge
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise TokenizerError(f"merges.txt line {n}: expected two tokens and one space, "
+                                 f"got {line!r}")
+        merges.append(parts)
+    return merges
+
+
+def _clip_names(config: dict) -> dict:
+    """bos/eos/unk/pad token names from the config, CLIPTokenizer's defaults where absent."""
+    return {k: _config_token(config, k + "_token") or (_CLIP_BOS if k == "bos" else _CLIP_EOS)
+            for k in ("bos", "eos", "unk", "pad")}
+
+
+def clip_tokenizer_json(vocab: bytes, merges: bytes, config: dict | None = None) -> dict:
+    """The tokenizer.json (as a dict) of a CLIP tokenizer from its vocab.json and merges.txt
+    bytes.  `config`: tokenizer_config.json and special_tokens_map.json merged, for the
+    bos/eos/unk/pad names (when absent CLIP's: bos <|startoftext|>, the others <|endoftext|>)."""
+    config = config or {}
+    vocab, merges = _clip_vocab(vocab), _clip_merges(merges)
+    names = _clip_names(config)
+    for key in ("bos", "eos", "unk"):
+        if names[key] not in vocab:
+            raise TokenizerError(f"vocab.json lacks the {key} token {names[key]!r}")
+    # transformers registers every special token of the config as an added token (SD 2's pad
+    # "!" too); tokenizer_config.json may say whether one is matched on normalized text.
+    added = {}
+    for key in ("bos", "eos", "unk", "pad"):
+        name = names[key]
+        if name not in vocab or name in added:
+            continue
+        entry = config.get(key + "_token")
+        normalized = entry.get("normalized") if isinstance(entry, dict) else None
+        added[name] = {"id": vocab[name], "content": name, "single_word": False, "lstrip": False,
+                       "rstrip": False, "special": True,
+                       "normalized": normalized if isinstance(normalized, bool) else True}
+    bos, eos = names["bos"], names["eos"]
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": list(added.values()),
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "NFC"}, {"type": "Replace", "pattern": {"Regex": r"\s+"}, "content": " "},
+            {"type": "Lowercase"}]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _CLIP_SPLIT}, "behavior": "Removed",
+             "invert": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}]},
+        "post_processor": {"type": "RobertaProcessing", "sep": [eos, vocab[eos]],
+                           "cls": [bos, vocab[bos]], "trim_offsets": False,
+                           "add_prefix_space": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": names["unk"],
+                  "continuing_subword_prefix": "", "end_of_word_suffix": "</w>",
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+
+
+def from_clip_files(folder) -> Tokenizer:
+    """CLIP's tokenizer from a folder of its slow-tokenizer files: vocab.json and merges.txt
+    (tokenizer_config.json and special_tokens_map.json optional), as a diffusers pipeline's
+    tokenizer/ holds them.  encode(text, add_special=True) gives bos, the ids, eos, unpadded
+    and untruncated (SD pads with its pad token, eos for SD 1.5, to 77).  decode keeps the
+    "</w>" word ends, as HF's ByteLevel decoder does (CLIPTokenizerFast makes them spaces)."""
+    folder = os.fspath(folder)
+    read = folder_reader(folder)
+    files = {}
+    for name in ("vocab.json", "merges.txt"):
+        files[name] = read(name)
+        if files[name] is None:
+            raise TokenizerError(f"{os.path.join(folder, name)}: no such file (a CLIP tokenizer "
+                                 f"folder holds vocab.json and merges.txt)")
+    # special_tokens_map.json overrides tokenizer_config.json, as in transformers; the names are
+    # passed on filled in, so the Tokenizer's bos/eos/pad ids are set without either file.
+    config = {**_config(read), **_config(read, "special_tokens_map.json")}
+    config.update({k + "_token": v for k, v in _clip_names(config).items()})
+    try:
+        spec = clip_tokenizer_json(files["vocab.json"], files["merges.txt"], config)
+        return from_tokenizer_json(spec, config)
+    except TokenizerError as exc:
+        raise TokenizerError(f"{folder}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- GGUF metadata

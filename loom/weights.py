@@ -1,11 +1,14 @@
-"""Checkpoint readers: GGUF, safetensors, CTranslate2 and ONNX, memory-mapped and validated.
+"""Checkpoint readers: GGUF, safetensors, CTranslate2, ONNX and diffusers pipeline folders,
+memory-mapped and validated.
 
 ``open_checkpoint(path)`` takes a ``.gguf`` file, a ``.safetensors`` file, a
 sharded ``model.safetensors.index.json``, a CTranslate2 ``model.bin``, an
 ``.onnx`` model (its initializers and graph, read by a hand-written protobuf
 decoder), or a directory holding exactly one of those, and returns a ``Checkpoint``:
 metadata, a table of ``TensorInfo`` in file order, and zero-copy access to
-every tensor's bytes.
+every tensor's bytes. A directory holding ``model_index.json`` is a diffusers
+pipeline (Stable Diffusion): its text_encoder, unet and vae safetensors are read
+through the same safetensors reader, their tensors named ``<component>.<name>``.
 
 Checkpoint files are untrusted input. Every header is parsed through a cursor
 that checks each read against the file size first, and every count or length
@@ -630,7 +633,9 @@ def _plain_shard_name(name) -> bool:
             and not any(c in name for c in "/\\\0") and os.path.basename(name) == name)
 
 
-def _read_safetensors(path: str, index: bool) -> Checkpoint:
+def _read_safetensors(path: str, index: bool, beside: bool = True) -> Checkpoint:
+    """A safetensors file or index; `beside`: also read config.json and preprocessor_config.json
+    next to it (a diffusers component reads its own config instead)."""
     folder = os.path.dirname(path)
     maps: dict[str, mmap.mmap] = {}
     try:
@@ -675,17 +680,121 @@ def _read_safetensors(path: str, index: bool) -> Checkpoint:
                     raise _fail(shard_path, f"lacks tensor {missing[0]!r}, which the index {path} maps to it")
             metadata = {"__metadata__": merged, "index": index_meta}
         config_path = os.path.join(folder, "config.json")
-        if os.path.isfile(config_path):
+        if beside and os.path.isfile(config_path):
             metadata["config"] = _read_json_file(config_path, "config.json")
         # A vision model's image processing settings (SmolVLM's Idefics3ImageProcessor).
         processor_path = os.path.join(folder, "preprocessor_config.json")
-        if os.path.isfile(processor_path):
+        if beside and os.path.isfile(processor_path):
             metadata["preprocessor"] = _read_json_file(processor_path, "preprocessor_config.json")
     except BaseException:
         for buf in maps.values():
             _release(buf)
         raise
     return Checkpoint("safetensors", metadata, table, maps)
+
+
+# --- diffusers pipeline folders -----------------------------------------------
+# A folder with model_index.json: {"_class_name": ..., "<component>": [library, class] or
+# [null, null], pipeline options...}; each component lives in the subfolder of its name.
+# Loom reads the components Stable Diffusion's image pipeline runs; the rest (safety_checker,
+# feature_extractor, ...) may be absent or hold formats Loom does not read (pytorch .bin).
+
+_DIFFUSERS_WEIGHTS = ("text_encoder", "unet", "vae")
+_DIFFUSERS_READ = (*_DIFFUSERS_WEIGHTS, "scheduler", "tokenizer")    # components Loom looks at
+# diffusers' models save the first name, transformers' (the CLIP text encoder) the second.
+_DIFFUSERS_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors",
+                    "diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
+# Older VAE files name the mid-block attention as diffusers' AttentionBlock did; current diffusers
+# renames them on load (_convert_deprecated_attention_blocks) to its Attention's names.
+_VAE_LEGACY = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
+
+
+def _vae_current_name(name: str) -> str:
+    if ".attentions." in name:
+        for old, new in _VAE_LEGACY.items():
+            name = name.replace(old, new)
+    return name
+
+
+def _diffusers_components(index_path: str, index) -> dict:
+    """model_index.json -> {component: present}, every name checked as a plain folder name."""
+    if not isinstance(index, dict):
+        raise _fail(index_path, f"model_index.json must be a JSON object, got {type(index).__name__}")
+    components = {}
+    for name, entry in index.items():
+        if name.startswith("_") or (not isinstance(entry, list) and name not in _DIFFUSERS_READ):
+            continue        # _class_name, _diffusers_version; options such as requires_safety_checker
+        if not _plain_shard_name(name):
+            raise _fail(index_path, f"component name {name!r} is not a plain folder name")
+        if (not isinstance(entry, list) or len(entry) != 2
+                or not (all(isinstance(e, str) for e in entry) or entry == [None, None])):
+            raise _fail(index_path, f"component {name!r} must be [library, class] (two strings) or "
+                                    f"[null, null], got {entry!r}")
+        components[name] = entry != [None, None]
+    return components
+
+
+def _diffusers_config(path: str, what: str) -> dict:
+    config = _read_json_file(path, what)
+    if not isinstance(config, dict):
+        raise _fail(path, f"{what} must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _read_diffusers(folder: str) -> Checkpoint:
+    index_path = os.path.join(folder, "model_index.json")
+    index = _read_json_file(index_path, "model_index.json")
+    components = _diffusers_components(index_path, index)
+    configs: dict = {"model_index": index}
+    tensors: dict[str, TensorInfo] = {}
+    aliases: dict[str, str] = {}
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        for name, present in components.items():
+            if name not in _DIFFUSERS_WEIGHTS or not present:
+                continue
+            sub = os.path.join(folder, name)
+            found = [f for f in _DIFFUSERS_FILES if os.path.isfile(os.path.join(sub, f))]
+            if len(found) != 1:
+                raise _fail(sub, f"component {name!r} must hold exactly one of {', '.join(_DIFFUSERS_FILES)}; "
+                                 f"found {found or 'none'}")
+            configs[name] = _diffusers_config(os.path.join(sub, "config.json"), "config.json")
+            part = _read_safetensors(os.path.join(sub, found[0]), index=found[0].endswith(".json"), beside=False)
+            maps.update(part._maps)      # distinct folders, so distinct paths
+            added = []
+            for t in part.tensors.values():
+                full = f"{name}.{t.name}"
+                if full in tensors:     # distinct prefixes rule this out; checked so nothing is shadowed
+                    raise _fail(t.file, f"tensor {full!r} is also in {tensors[full].file}")
+                tensors[full] = TensorInfo(full, t.dtype, t.shape, t.offset, t.nbytes, t.file)
+                added.append(full)
+            if name == "vae":
+                for full in added:
+                    alias = _vae_current_name(full)
+                    if alias == full:
+                        continue
+                    if alias in tensors or alias in aliases:
+                        other = aliases.get(alias, alias)
+                        raise _fail(tensors[full].file, f"holds both {full!r} and {other!r}, "
+                                                        f"which diffusers both names {alias!r}")
+                    aliases[alias] = full
+        for alias, target in aliases.items():   # the same bytes under diffusers' current name
+            t = tensors[target]
+            tensors[alias] = TensorInfo(alias, t.dtype, t.shape, t.offset, t.nbytes, t.file)
+        if components.get("scheduler"):
+            configs["scheduler"] = _diffusers_config(os.path.join(folder, "scheduler", "scheduler_config.json"),
+                                                     "scheduler_config.json")
+        metadata = {"config": configs, "aliases": aliases}
+        if components.get("tokenizer"):
+            tokenizer = os.path.abspath(os.path.join(folder, "tokenizer"))
+            if not os.path.isdir(tokenizer):
+                raise _fail(tokenizer, "model_index.json names a tokenizer but this folder does not exist")
+            metadata["tokenizer"] = tokenizer
+    except BaseException:
+        for buf in maps.values():
+            _release(buf)
+        raise
+    return Checkpoint("diffusers", metadata, tensors, maps)
 
 
 # --- The uniform interface ----------------------------------------------------
@@ -1264,8 +1373,8 @@ def _read_onnx(path: str) -> Checkpoint:
 class Checkpoint:
     """An open checkpoint.
 
-    ``format``: "gguf", "safetensors", "ctranslate2" or "onnx". ``metadata``: GGUF key/values as Python
-    values (arrays as lists); for safetensors ``{"__metadata__": {...}}`` (shards'
+    ``format``: "gguf", "safetensors", "ctranslate2", "onnx" or "diffusers". ``metadata``: GGUF
+    key/values as Python values (arrays as lists); for safetensors ``{"__metadata__": {...}}`` (shards'
     maps merged, which must agree), ``"index"``: the index's own ``metadata`` when
     sharded, and ``"config"``: a ``config.json`` beside the files when there is one
     (``"preprocessor"``: likewise a ``preprocessor_config.json``);
@@ -1279,11 +1388,20 @@ class Checkpoint:
     (values when at most 1024) or ``{"unsupported": "GRAPH"}`` and the like), ``"aliases"``
     (alias -> anonymous initializer, named after the layer that consumes it; each alias is also
     a tensor sharing its bytes), ``"unaliased"`` (anonymous initializers left without one) and
-    ``"config"``: ``<model>.onnx.json`` beside the file (a Piper voice's settings).
+    ``"config"``: ``<model>.onnx.json`` beside the file (a Piper voice's settings);
+    for "diffusers" (a pipeline folder) ``"config"``: ``{"model_index": model_index.json,
+    "text_encoder"/"unet"/"vae": each component's config.json, "scheduler":
+    scheduler/scheduler_config.json}`` (a component model_index.json lists as ``[null, null]``,
+    or does not list, is absent), ``"tokenizer"``: the absolute path of the tokenizer folder
+    (absent when model_index.json names none) and ``"aliases"`` (diffusers' current VAE attention
+    name -> the older ``query``/``key``/``value``/``proj_attn`` tensor a file holds; each alias
+    is also a tensor sharing its bytes).
     ``tensors``: name -> TensorInfo in file order (GGUF: tensor-info order;
     safetensors: data order, shards in the order the index first names them; ONNX:
-    initializer order, then aliases). ``TensorInfo.file`` is the model's path, or
-    ``<path>#decoded`` for ONNX initializers decoded into memory.
+    initializer order, then aliases; diffusers: ``<component>.<name>``, components in
+    model_index.json's order, each in its safetensors order, then aliases). ``TensorInfo.file``
+    is the model's path (for diffusers, the component's file), or ``<path>#decoded`` for ONNX
+    initializers decoded into memory.
 
     ``close()`` (or leaving a ``with`` block) releases the mappings; arrays already
     handed out keep their mapping alive until they go.
@@ -1345,8 +1463,13 @@ class Checkpoint:
 
 def open_checkpoint(path) -> Checkpoint:
     """Open a .gguf, a .safetensors, a safetensors index .json, a CTranslate2 model.bin,
-    an .onnx model, or a directory with exactly one of them."""
+    an .onnx model, or a directory with exactly one of them; a directory holding
+    model_index.json (or that file itself) is a diffusers pipeline folder, read whole."""
     path = os.fspath(path)
+    if os.path.basename(path) == "model_index.json" and os.path.isfile(path):
+        return _read_diffusers(os.path.dirname(path))
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model_index.json")):
+        return _read_diffusers(path)
     if os.path.isdir(path):
         entries = sorted(os.listdir(path))
         found = [e for e in entries if e in ("model.safetensors", "model.safetensors.index.json", "model.bin")]
