@@ -12,6 +12,8 @@ never branches on a kind's name. What a kind says about itself:
     trial(binding, c, g)   the probe's inputs and outputs, shaped as the engine sends them,
                            for its trial run in the proving ground (None: not trial-run)
     options(doc, options)  preparation options it derives from the document (the KV pool)
+    extend(doc, options)   None, or a function adding tensors to the checkpoint before binding
+                           (the image kind packs the document's LoRA adapters this way)
     check(prepared)        raises a Problem when the prepared package cannot serve this kind
                            (the registration fails with its code and message)
     components(prepared)   its residency components ("primary", and e.g. "image")
@@ -54,6 +56,11 @@ class Kind:
 
     def options(self, doc, options):
         return options
+
+    def extend(self, doc, options):
+        """None, or extend(checkpoint) -> (arrays, metadata): tensors computed from the
+        document that the package binds like the checkpoint's own (see runtime.prepare)."""
+        return None
 
     def trial(self, binding, command, geometry):
         return None

@@ -457,7 +457,8 @@ class Registry:
         def work():
             prepared = runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
                                        progress, loaded=files.loaded, preserved=files.preserved,
-                                       assets=files.assets, includes=files.includes)
+                                       assets=files.assets, includes=files.includes,
+                                       extend=reg.kind.extend(reg.doc, options))
             try:
                 reg.kind.check(prepared)
                 for name, (sources, loaded, checkpoint) in files.components.items():

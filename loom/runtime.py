@@ -480,12 +480,13 @@ def _run_plan(plan, enqueue):
 
 
 def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None,
-            preserved=(), assets=None, includes=None):
+            preserved=(), assets=None, includes=None, extend=None):
     """Everything that reads files or uploads weights; runs on a worker thread.
     `loaded` holds (name, bytes) sources from an uploaded package; `preserved` the
     document's (role, path, bytes|None) prepare and control modules; `assets` a
     read(name) -> bytes|None over the model's metadata directory (default: the
-    checkpoint's folder on the server)."""
+    checkpoint's folder on the server); `extend(checkpoint)` -> (arrays, metadata) the
+    kind adds to the checkpoint before binding (the image kind's packed LoRA adapters)."""
     try:
         preserved = read_preserved(preserved)
         module = load_module(source_paths, loaded, preserved)
@@ -496,6 +497,10 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
     except (weights.WeightsError, OSError) as e:
         raise PrepareError(str(e), "checkpoint") from None
     with checkpoint:
+        if extend is not None:
+            arrays, extra = extend(checkpoint)
+            checkpoint.add_arrays(arrays, f"{checkpoint_path}#extended")
+            checkpoint.metadata.update(extra)
         tensors = {n: vm.Tensor(t.shape, t.dtype) for n, t in checkpoint.tensors.items()}
         metadata = dict(checkpoint.metadata)
         metadata.update(_flatten(metadata.get("config", {}), "config."))

@@ -1425,6 +1425,24 @@ class Checkpoint:
             _release(buf)
         self._maps = {}
 
+    def add_arrays(self, arrays: dict, store: str) -> None:
+        """Tensors computed at load time (LoRA adapters packed for the kernels), float32, held
+        in one anonymous map named `store`, closed with the checkpoint like the files."""
+        if not arrays:
+            return
+        blobs = {name: np.ascontiguousarray(a, dtype="<f4").tobytes() for name, a in arrays.items()}
+        buf = mmap.mmap(-1, sum(len(b) for b in blobs.values()) or 1)
+        offset = 0
+        for name, blob in blobs.items():
+            if name in self.tensors:
+                buf.close()
+                raise WeightsError(f"{store}: tensor {name!r} is already in the checkpoint")
+            buf[offset:offset + len(blob)] = blob
+            self.tensors[name] = TensorInfo(name, "F32", tuple(np.shape(arrays[name])), offset, len(blob), store)
+            offset += len(blob)
+        self._maps[store] = buf
+        self.nbytes += offset
+
     def _info(self, name: str) -> tuple[TensorInfo, mmap.mmap]:
         if name not in self.tensors:
             raise WeightsError(f"checkpoint has no tensor {name!r}")
