@@ -12,7 +12,7 @@ never branches on a kind's name. What a kind says about itself:
     trial(binding, c, g)   the probe's inputs and outputs, shaped as the engine sends them,
                            for its trial run in the proving ground (None: not trial-run)
     options(doc, options)  preparation options it derives from the document (the KV pool)
-    extend(doc, options)   None, or a function adding tensors to the checkpoint before binding
+    extend(doc, o, path)   None, or a function adding tensors to the checkpoint before binding
                            (the image kind packs the document's LoRA adapters this way)
     check(prepared)        raises a Problem when the prepared package cannot serve this kind
                            (the registration fails with its code and message)
@@ -30,6 +30,30 @@ device work ends (finish). Each service subclasses Job with its own work.
 
 from .errors import Error
 from .http import Deferred, Response
+
+
+class Derived:
+    """What a kind's host side derives from a prepared deployment (a voice's settings, a
+    model's tokenizer and scheduler), built once by cls(prepared) and kept with it."""
+
+    @classmethod
+    def of(cls, prepared):
+        derived = prepared.__dict__.setdefault("derived", {})
+        if cls not in derived:
+            derived[cls] = cls(prepared)
+        return derived[cls]
+
+
+def seed(value, param="seed"):
+    """A request's seed: an unsigned 64-bit integer or its decimal string (default 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        if not value.isdigit() or int(value) >= 2**64:
+            raise Error(400, f"{param} must be an unsigned 64-bit integer or its decimal string, got {value!r}",
+                        "invalid_value", param)
+        return int(value)
+    return value
 
 
 class Component:
@@ -57,7 +81,7 @@ class Kind:
     def options(self, doc, options):
         return options
 
-    def extend(self, doc, options):
+    def extend(self, doc, options, checkpoint_path):
         """None, or extend(checkpoint) -> (arrays, metadata): tensors computed from the
         document that the package binds like the checkpoint's own (see runtime.prepare)."""
         return None

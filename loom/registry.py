@@ -458,7 +458,7 @@ class Registry:
             prepared = runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
                                        progress, loaded=files.loaded, preserved=files.preserved,
                                        assets=files.assets, includes=files.includes,
-                                       extend=reg.kind.extend(reg.doc, options))
+                                       extend=reg.kind.extend(reg.doc, options, files.checkpoint))
             try:
                 reg.kind.check(prepared)
                 for name, (sources, loaded, checkpoint) in files.components.items():

@@ -12,7 +12,7 @@ with Allow; anything else is 404.
 import os
 import time
 
-from . import __version__, admin, decisions, embeddings, logs, speech, text, transcription
+from . import __version__, admin, decisions, embeddings, imagegen, logs, speech, text, transcription
 from .errors import Error
 from .http import Response, Stream, page
 from .metrics import CONTENT_TYPE as METRICS_TYPE
@@ -158,7 +158,7 @@ SERVER_ROUTES = [
 ]
 
 # The kinds this build serves: adding a kind is its module plus one line here.
-KINDS = (text.TEXT, text.SEQUENCE, embeddings.KIND, decisions.KIND, speech.KIND, transcription.KIND)
+KINDS = (text.TEXT, text.SEQUENCE, embeddings.KIND, decisions.KIND, speech.KIND, transcription.KIND, imagegen.KIND)
 
 
 def table_of(kinds, extra=()):

@@ -243,6 +243,12 @@ class Prepared:
     def resident(self):
         return bool(self.params) or not self.binding.params
 
+    def release_plans_where(self, drop):
+        """Drop the cached plans whose (command, geometry) `drop` picks (an image size that left
+        the deployment's size cache), with their scratch."""
+        for key in [k for k in self.plans if drop(k[1], dict(k[2]))]:
+            self.plans.pop(key).release()
+
     def release_plans(self):
         """Drop every cached plan and its scratch (trim); plans are rebuilt on demand
         from the compiler's cache. Queued kernels keep their buffers in the driver."""

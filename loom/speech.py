@@ -67,17 +67,6 @@ SPEC = Obj({
 })
 
 
-def _seed(value):
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        if not value.isdigit() or int(value) >= 2**64:
-            raise Error(400, f"seed must be an unsigned 64-bit integer or its decimal string, got {value!r}",
-                        "invalid_value", "seed")
-        return int(value)
-    return value
-
-
 def create(server, request):
     body = request.json(SPEC)
     fmt = body["response_format"]
@@ -97,20 +86,13 @@ def create(server, request):
                     "unsupported_value", "voice")
     if body.get("instructions"):
         raise Error(400, "this voice cannot follow instructions", "unsupported_value", "instructions")
-    job = Job(server, reg, request, body["input"], _seed(body.get("seed")), body.get("speed", 1.0))
+    job = Job(server, reg, request, body["input"], kinds.seed(body.get("seed")), body.get("speed", 1.0))
     server.registry.enter(reg, job)
     return job.deferred
 
 
-class Voice:
+class Voice(kinds.Derived):
     """The voice's Piper document, resolved once per prepared deployment."""
-
-    @classmethod
-    def of(cls, prepared):
-        voice = getattr(prepared, "voice", None)
-        if voice is None:
-            voice = prepared.voice = cls(prepared)
-        return voice
 
     def __init__(self, prepared):
         config = prepared.binding.metadata.get("config")

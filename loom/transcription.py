@@ -181,15 +181,8 @@ class Job(kinds.Job):
 
 # ---- the package's decoding protocol ----------------------------------------------
 
-class Decoder:
+class Decoder(kinds.Derived):
     """What the package's policy and tokenizer say about decoding, resolved once per prepared model."""
-
-    @classmethod
-    def of(cls, prepared):
-        decoder = getattr(prepared, "recognition", None)
-        if decoder is None:
-            decoder = prepared.recognition = cls(prepared)
-        return decoder
 
     def __init__(self, prepared):
         policy, tok = prepared.policy, prepared.tokenizer

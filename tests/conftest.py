@@ -178,8 +178,8 @@ def _start_live(tmp_path, flags, catalog=None):
     if catalog != "default" and "--models" not in flags:
         # Most tests need no models: an empty catalog keeps start-up light.
         if catalog == "tiny":
-            docs = demo.catalog(text=tiny_scout_dir(), recognizer=False, speaker=False)
-        elif catalog in ("recognizer", "speaker"):   # one default audio deployment alone
+            docs = demo.catalog(text=tiny_scout_dir(), recognizer=False, speaker=False, illustrator=False)
+        elif catalog in ("recognizer", "speaker", "illustrator"):   # one default deployment alone
             docs = [doc for doc in demo.catalog() if doc["model"] == catalog]
         elif catalog == "audio":                     # the speaker and the recognizer
             docs = [doc for doc in demo.catalog() if doc["model"] in ("speaker", "recognizer")]
