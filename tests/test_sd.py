@@ -60,6 +60,11 @@ def run(p, command, geometry, inputs, outputs, read=None):
     return got
 
 
+def no_adapters(p, n):
+    """The scales argument of a deployment without adapters: [n, 1] zeros."""
+    return np.zeros((n, max(1, p.spec("LORAS"))), f32)
+
+
 def close(got, want, rel=2e-5):
     err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
     assert err <= rel * max(scale, 1.0), f"max error {err:.3g} of scale {scale:.3g}"
@@ -83,7 +88,8 @@ def test_specs_follow_the_checkpoint(prepared, W):
 def test_text_encoder(prepared, W):
     prompts = ["a red fox in the snow", "", "watercolor painting of a castle at night, detailed"]
     ids = np.array([ref.tokenize(W, p) for p in prompts], np.int32)
-    got = run(prepared, "encode_text", {"S": len(prompts)}, {"ids": ids.ravel()},
+    got = run(prepared, "encode_text", {"S": len(prompts)},
+              {"ids": ids.ravel(), "scales": no_adapters(prepared, len(prompts))},
               {"context": ids.size * prepared.spec("TEXT_D")})["context"].reshape(len(prompts), 77, -1)
     for i in range(len(prompts)):
         close(got[i], ref.text_encoder(W, ids[i]))
@@ -146,9 +152,9 @@ def test_spatial_transformers(prepared, W):
         rows = 2 * h * w
         got = run(prepared, "transformer", {"a": a, "N": 2, "HW": h * w},
                   {"x": np.stack([channels_last(v) for v in x]).ravel(), "context": context.ravel(),
-                   "kv_offs": np.array([0, 77, 154], np.int32)},
+                   "kv_offs": np.array([0, 77, 154], np.int32), "scales": no_adapters(prepared, 2)},
                   {"u": rows * c, "n": rows * c, "qkv": rows * 3 * c, "kv": 154 * 2 * c, "o": rows * c,
-                   "f": rows * 8 * c, "g": rows * 4 * c, "offs": 3},
+                   "f": rows * 8 * c, "g": rows * 4 * c, "lu": 1, "offs": 3},
                   read={"x": rows * c})["x"].reshape(2, h, w, c)
         for n in range(2):
             want = ref.spatial_transformer(x[n], t, names[a], u["attention_head_dim"], context[n],
@@ -183,7 +189,8 @@ def test_unet_on_a_batch_at_different_timesteps_and_prompts(prepared, W):
     t_emb, _ = _temb_inputs(W, timesteps)
     got = run(prepared, "denoise", {"N": 3, "H": h, "W": w},
               {"latents": np.stack([channels_last(x) for x in latents]).ravel(), "t_emb": t_emb.ravel(),
-               "context": context.ravel(), "kv_offs": (np.arange(4) * 77).astype(np.int32)},
+               "context": context.ravel(), "kv_offs": (np.arange(4) * 77).astype(np.int32),
+               "scales": no_adapters(prepared, 3)},
               {"eps": 3 * h * w * 4})["eps"].reshape(3, h, w, 4)
     for n in range(3):
         close(got[n], channels_last(ref.unet(W, latents[n], timesteps[n], context[n])), rel=1e-4)
