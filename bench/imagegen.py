@@ -118,13 +118,6 @@ def main():
     folder = demo.illustrator_folder()
     W = ref.load(folder)
 
-    proc, cap = start_server(args.port)
-    try:
-        generate(args.port, 0)          # compiles nothing new (the probes did), warms the plans
-        rounds = {c: min(loom_round(args.port, c, 100 * r) for r in range(args.repeat)) for c in clients}
-    finally:
-        proc.terminate()
-        proc.wait(30)
     dev = Device()
     doc = next(d for d in demo.catalog(recognizer=False, speaker=False, image=False) if d["model"] == "illustrator")
     options = imagegen.KIND.options(doc, dict(doc["options"]))
@@ -132,7 +125,14 @@ def main():
                                Compiler(dev, run_now), extend=imagegen.KIND.extend(doc, options, folder))
     model = imagegen.Model.of(prepared)
     steps_loom = {c: loom_step(prepared, model, c, args.repeat) for c in clients}
-    prepared.release()
+    prepared.release()     # before the server starts: the two never share the cores
+    proc, cap = start_server(args.port)
+    try:
+        generate(args.port, 0)          # compiles nothing new (the probes did), warms the plans
+        rounds = {c: min(loom_round(args.port, c, 100 * r) for r in range(args.repeat)) for c in clients}
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
     h, w = model.height // model.up, model.width // model.up
     ids, neg = ref.tokenize(W, PROMPT), ref.tokenize(W, "")

@@ -41,6 +41,8 @@ STATUS = {
     # audio: uploaded recordings
     "unsupported_audio": 415, "audio_codec_disabled": 415, "invalid_audio": 400, "invalid_pcm_geometry": 400,
     "channel_mismatch": 400, "audio_too_long": 400, "resample_budget": 400,
+    # image generation: a registration's adapters or scheduler the package cannot use
+    "invalid_adapter": 422, "unsupported_scheduler": 422,
     # images: image parts' data URLs (malformed 400, unsupported or disabled 415, over a limit 413)
     "unsupported_image_url": 400, "invalid_image_url": 400, "invalid_image": 400, "image_mime_mismatch": 400,
     "unsupported_image": 415, "image_codec_disabled": 415, "animated_image": 415,
