@@ -96,13 +96,20 @@ def test_register_rejections(server, change, status, code):
     assert got_status == status and body["error"]["code"] == code, body
 
 
-@pytest.mark.parametrize("kind", ["image"])
-def test_a_kind_without_an_implementation_rejects_instead_of_registering(server, kind):
-    status, body = call(server, "/v1/models/register", dict(server.doc, kind=kind))
+def test_every_kind_of_the_language_is_served():
+    from loom import language, routes
+    assert sorted(k.name for k in routes.KINDS) == sorted(language.KINDS)
+
+
+def test_a_kind_without_an_implementation_rejects_instead_of_registering(thread_server, server):
+    """A build that serves fewer kinds (an appliance without image generation) names what it serves."""
+    from loom import embeddings
+    small = thread_server(kinds=[embeddings.KIND])
+    status, body = call(small, "/v1/models/register", dict(server.doc, kind="image"))
     assert (status, body["error"]["code"], body["error"]["param"]) == (400, "unsupported_kind", "kind")
-    assert repr(kind) in body["error"]["message"] and "text, sequence, embedding, decision, speech, recognition" in body["error"]["message"]
-    assert status_of(server, "m") is None
-    assert json.loads(server.request("GET", "/v1/models")[2])["data"] == []
+    assert "'image'" in body["error"]["message"] and "served kinds: embedding" in body["error"]["message"]
+    assert status_of(small, "m") is None
+    assert json.loads(small.request("GET", "/v1/models")[2])["data"] == []
 
 
 def test_failed_preparation_is_reported(server):

@@ -206,3 +206,40 @@ def test_vae_decoder(prepared, W):
               {"image": 2 * h * w * up * up * 3})["image"].reshape(2, h * up, w * up, 3)
     for n in range(2):
         close(got[n], channels_last(ref.vae_decode(W, latents[n])), rel=1e-4)
+
+
+# SD 1.5's own topology (four levels, two resnets a down block, three with cross-attention,
+# the mid block, three resnets an up block), at small widths: the same package binds it.
+SD15_TOPOLOGY = {"block_out_channels": [32, 32, 64, 64], "layers_per_block": 2, "sample_size": 16,
+                 "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+                 "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3}
+
+
+@pytest.fixture(scope="module")
+def sd15(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sd15"))
+    generate.generate(out, seed=5, unet=SD15_TOPOLOGY)
+    dev = Device(cpu_drivers()[0].values[0])
+    p = runtime.prepare("sd15", [SOURCE], out, {}, dev, Compiler(dev, run_now))
+    yield p, ref.load(out)
+    p.release()
+
+
+def test_sd15_topology_binds_and_denoises_as_the_reference(sd15):
+    p, W = sd15
+    assert (p.spec("NB"), p.spec("LPB"), p.spec("NR"), p.spec("NT")) == (4, 2, 22, 21)
+    present = [a for a in range(p.spec("NT")) if p.binding.params.get(("tf_norm_w", a))]
+    assert len(present) == 3 * 2 + 1 + 3 * 3
+    rng = np.random.default_rng(6)
+    h = w = 16
+    latents = rng.standard_normal((2, 4, h, w)).astype(f32)
+    timesteps = [981, 20]
+    context = np.stack([ref.text_encoder(W, ref.tokenize(W, p_)) for p_ in ("a castle", "")])
+    t_emb, _ = _temb_inputs(W, timesteps)
+    got = run(p, "denoise", {"N": 2, "H": h, "W": w},
+              {"latents": np.stack([channels_last(x) for x in latents]).ravel(), "t_emb": t_emb.ravel(),
+               "context": context.ravel(), "kv_offs": np.array([0, 77, 154], np.int32),
+               "scales": np.zeros(2, f32)},
+              {"eps": 2 * h * w * 4})["eps"].reshape(2, h, w, 4)
+    for n in range(2):
+        close(got[n], channels_last(ref.unet(W, latents[n], timesteps[n], context[n])), rel=1e-4)

@@ -295,14 +295,16 @@ def draw(specs, rand, gain=1.0):
 
 # --- The model ----------------------------------------------------------------
 
-def generate(out_dir, seed=0):
-    """Write the tiny SD-1.5-layout model into out_dir (created); the same seed writes the same bytes."""
+def generate(out_dir, seed=0, unet=None):
+    """Write the tiny SD-1.5-layout model into out_dir (created); the same seed writes the same bytes.
+    `unet`: config overrides (the tests' SD-1.5 topology: four levels, two resnets each)."""
+    unet = dict(UNET_CONFIG, **(unet or {}))
     rand = Uniform(seed)
     vocab = write_tokenizer(os.path.join(out_dir, "tokenizer"))
     text_cfg = dict(TEXT_CONFIG, vocab_size=len(vocab), bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],
                     pad_token_id=vocab[EOS])
     parts = (("text_encoder", "model.safetensors", text_cfg, text_specs(text_cfg, len(vocab))),
-             ("unet", "diffusion_pytorch_model.safetensors", UNET_CONFIG, unet_specs()),
+             ("unet", "diffusion_pytorch_model.safetensors", unet, unet_specs(unet)),
              ("vae", "diffusion_pytorch_model.safetensors", VAE_CONFIG, vae_specs()))
     for folder, filename, cfg, specs in parts:
         _write_json(os.path.join(out_dir, folder, "config.json"), cfg)
