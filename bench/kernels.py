@@ -123,9 +123,9 @@ class Bench:
         return self.io[(t, k, n)]
 
     def kernel(self, kind, n, k, geometry):
-        rpi, tpi, wg, vw = geometry
+        rpi, tpi, wg, vw, accs = (tuple(geometry) + (0,))[:5]     # accs 0: the kernel's default
         opts = [f"-DK={k}", f"-DN={n}", f"-DWEIGHT_{kind}", f"-DROWS_PER_ITEM={rpi}",
-                f"-DTOKENS_PER_ITEM={tpi}", f"-DWG={wg}", f"-DVW={vw}"]
+                f"-DTOKENS_PER_ITEM={tpi}", f"-DWG={wg}", f"-DVW={vw}", f"-DACCS={accs}"]
         prg = cl.Program(self.ctx, self.common + "\n" + self.matmul_src).build(options=opts)
         return cl.Kernel(prg, "matmul")
 
@@ -149,7 +149,7 @@ class Bench:
             self.weight_cache = {(kind, n, k): self.weights(kind, n, k)[0]}
         subs = self.weight_cache[(kind, n, k)]
         x, y = self.activations(t, k, n)
-        rpi, _, wg, _ = geometry
+        rpi, wg = geometry[0], geometry[2]
         gsize = (-(-(-(-n // rpi)) // wg) * wg, 1)
         calls = subs
         if t >= 64:  # compute-bound: fewer calls are enough
@@ -259,8 +259,12 @@ def main():
     return 0
 
 
-def package_geometry(kind, t, k, driver):
+def package_geometry(kind, t, k, driver, vector_width):
     """What models/llama/llama.loom picks (float activations) on `driver`, for comparison."""
+    if driver in ("intel", "pocl") and vector_width == 8:     # its AVX2 table
+        floatw = kind in ("F16", "F32")
+        rows = 4 if t >= 16 and floatw else 2 if t >= 2 and not floatw else 1
+        return (rows, 2 if t >= 16 and floatw else 4 if t >= 3 else t, 8, 8, 4 if t == 1 else 0)
     wide = t >= 16 or (t >= 2 and k >= 4096)
     rows, vw = (4, 16) if driver in ("intel", "pocl") else (2, 8)   # its WIDE_ROWS, WIDE_VW
     return (rows if wide else 1, 4 if t >= 3 else t, 8, vw if wide else 16)
@@ -271,7 +275,7 @@ def sweep(b, passes, shapes, ts):
     driver = driver_family(b.device.platform.name)
     cases = [(n, k, kind, t) for n, k in shapes for kind in ("F16", "Q8_0", "Q4_0") for t in ts]
     for n, k, kind, t in cases:
-        ours_g = package_geometry(kind, t, k, driver)
+        ours_g = package_geometry(kind, t, k, driver, int(b.device.native_vector_width_float))
         grid = {ours_g} | {(rpi, tpi, wg, vw) for rpi in (1, 2, 4) for tpi in ((1,) if t == 1 else (2, 4))
                            for wg in (1, 8, 16, 64) for vw in (8, 16)}
         timed = []

@@ -340,7 +340,8 @@ def vocabulary(writer, size):
     """A byte-level BPE vocabulary of `size` tokens (no merges): llama.cpp loads no model without one."""
     from loom.tokenizer import _bytes_to_unicode
     chars = list(_bytes_to_unicode())
-    tokens = chars + [f"<t{i}>" for i in range(size - len(chars))]
+    merged = chars[0] + chars[1]             # the one merge's result must be a token too
+    tokens = chars + [merged] + [f"<t{i}>" for i in range(size - len(chars) - 1)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

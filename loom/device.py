@@ -370,6 +370,7 @@ def _discover(probe=True) -> list:
                 "global_memory_bytes": int(dev.global_mem_size),
                 "max_allocation_bytes": int(dev.max_mem_alloc_size),
                 "compute_units": int(dev.max_compute_units),
+                "vector_width": int(dev.native_vector_width_float),
                 "fp16": "cl_khr_fp16" in extensions,
                 "fp64": "cl_khr_fp64" in extensions,
                 "extensions": extensions,

@@ -62,9 +62,10 @@ BUILTINS = {
     "int": 1, "float": 1, "sqrt": 1,
 }
 
-# Visible to specs: the checkpoint format ("gguf", "safetensors" or "ctranslate2") and the
-# device's driver family ("pocl", "intel", "nvidia", ...: device.driver_family).
-SPEC_PREDEFINED = ("format", "driver")
+# Visible to specs: the checkpoint format ("gguf", "safetensors" or "ctranslate2"), the
+# device's driver family ("pocl", "intel", "nvidia", ...: device.driver_family) and its native
+# float vector width (8 on AVX2, 16 with AVX-512; 0 unknown).
+SPEC_PREDEFINED = ("format", "driver", "vector_width")
 
 STATEMENT_OPS = ("let", "scratch", "for", "if", "else", "end", "launch", "invoke")
 

@@ -42,6 +42,7 @@ def job(device_info, binding, built, trials):
     return {"device": f"{device_info['platform']}:{device_info['device']}",
             "module": binding.module, "metadata": binding.metadata, "tensors": binding.tensors,
             "options": binding.options, "format": binding.format, "driver": binding.driver,
+            "vector_width": binding.vector_width,
             "binaries": {key: executable.binary() for key, executable in built.items()}, "trials": trials}
 
 
@@ -94,7 +95,8 @@ def _run(job):
     device.assume_usable()
     dev = device.Device(job["device"])
     compiler = Compiler(dev, run_now)
-    binding = vm.bind(job["module"], job["metadata"], job["tensors"], job["options"], job["format"], job["driver"])
+    binding = vm.bind(job["module"], job["metadata"], job["tensors"], job["options"], job["format"], job["driver"],
+                      job["vector_width"])
     buffers = {}
     for key, bp in binding.params.items():
         if bp.alias is None:

@@ -511,7 +511,8 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
         metadata = dict(checkpoint.metadata)
         metadata.update(_flatten(metadata.get("config", {}), "config."))
         try:
-            binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""))
+            binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""),
+                              device.info.get("vector_width", 0))
         except LoomError as e:
             raise PrepareError(str(e), "bind") from None
         sources = kernel_sources(module, compiler, includes)
@@ -621,7 +622,8 @@ def stage_binding(prepared, source_paths, loaded=None, includes=None):
         raise PrepareError(str(e), "source") from None
     base = prepared.binding
     try:
-        binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format, base.driver)
+        binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format, base.driver,
+                          base.vector_width)
     except LoomError as e:
         raise PrepareError(f"the sources do not bind to this deployment's checkpoint: {e}", "contract") from None
     old, new = base.contract(), binding.contract()

@@ -230,11 +230,13 @@ def call_builtin(name, args, scope):
 # -- binding -------------------------------------------------------------------------
 
 class Binding:
-    def __init__(self, module, specs, params, states, tensors, options, metadata=None, fmt=None, driver=""):
+    def __init__(self, module, specs, params, states, tensors, options, metadata=None, fmt=None, driver="",
+                 vector_width=0):
         self.module = module
         self.metadata = metadata or {}
         self.format = fmt
         self.driver = driver
+        self.vector_width = vector_width
         self.specs = specs            # name -> value
         self.params = params          # (name, index) -> BoundParam
         self.states = states          # name -> BoundState
@@ -289,10 +291,12 @@ class Binding:
             names[s.name] = Ref("state", s.name)
         return names
 
-    def _builtins(self):
+    def _builtins(self, plan=None):
         def dtype(ref):
+            if isinstance(ref, Ref) and ref.kind == "scratch" and plan is not None and ref.name in plan.scratch:
+                return plan.scratch[ref.name][0].upper()     # a scratch buffer's own type ("F32", ...)
             if not isinstance(ref, Ref) or ref.kind != "param" or (ref.name, ref.index) not in self.params:
-                raise LoomError(f"dtype() needs a param, got {_show(ref)}")
+                raise LoomError(f"dtype() needs a param or a scratch buffer, got {_show(ref)}")
             return self.storage(ref)
 
         def pages(ref):
@@ -321,7 +325,7 @@ class Binding:
             raise LoomError(f"command {cmd.name}: calls nest deeper than {MAX_DEPTH}")
         names = self._globals()
         names.update(args)
-        scope = Scope(names, self._builtins(), f"command {cmd.name}")
+        scope = Scope(names, self._builtins(plan), f"command {cmd.name}")
         body = cmd.body
         matching = _match_blocks(body)
         stack, loops, pc = [], [], 0
@@ -397,8 +401,8 @@ class Binding:
                                     f"the kernel binds {len(arg.binds)}")
                 names.update(zip(arg.binds, shape))
         for bound, code in kernel.lets:     # each sees the arguments and the lets before it
-            names[bound] = evaluate(code, Scope(names, self._builtins(), f"{where} let {bound}"))
-        scope = Scope(names, self._builtins(), where)
+            names[bound] = evaluate(code, Scope(names, self._builtins(plan), f"{where} let {bound}"))
+        scope = Scope(names, self._builtins(plan), where)
         defines = {}
         for define, code in kernel.defines:
             value = evaluate(code, scope)
@@ -487,13 +491,14 @@ def _match_blocks(body):
     return matching
 
 
-def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
+def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_width=0):
     """Evaluate specs, resolve params to tensors and size states.
 
     metadata: checkpoint key/values; tensors: name -> Tensor; options: the
     model document's options (plus deployment sizing such as "pages"); driver:
-    the device's driver family ("pocl", "intel", ...), so a package can choose
-    the kernel geometry that is fastest on it.
+    the device's driver family ("pocl", "intel", ...) and vector_width its
+    native float vector width (8 on AVX2 CPUs, 16 with AVX-512; 0 unknown), so
+    a package can choose the kernel geometry that is fastest on it.
     """
     options = dict(options or {})
     specs = {}
@@ -559,7 +564,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
     builtins = {"meta": meta, "shape": shape, "has": lambda name: expand(name, specs) in tensors, "count": count,
                 "option": lambda k, *d: _option(options, k, d)}
     for spec in module.specs:
-        names = dict(specs, format=fmt or "", driver=driver)
+        names = dict(specs, format=fmt or "", driver=driver, vector_width=vector_width)
         specs[spec.name] = evaluate(spec.code, Scope(names, scoped(names), f"spec {spec.name}"))
     scope_names = dict(specs)
     params = {}
@@ -586,7 +591,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver=""):
         scope = Scope(scope_names, builtins, f"state {s.name}")
         page = None if s.page is None else _dim(evaluate(s.page, scope), scope.where)
         states[s.name] = BoundState(s.name, s.dtype, page, tuple(_dim(evaluate(d, scope), scope.where) for d in s.dims))
-    return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver)
+    return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver, vector_width)
 
 
 # Block formats stay blocks on the device (the kernels dequantize them); BF16 becomes F32.

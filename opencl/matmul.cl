@@ -21,7 +21,7 @@
  *                        weight vector is used for this many tokens
  *   WG             (8)   local size along dim 0 (reqd_work_group_size)
  *   VW            (16)   vector width along K: 4, 8 or 16
- *   ACCS          (2 for a 1x1 tile, else 1)  independent accumulators per output
+ *   ACCS          (0 or unset: 2 for a 1x1 tile, else 1)  independent accumulators per output
  *   HAS_BIAS             add b[n]
  *   ACCUMULATE           Y += result (residual add) instead of Y = result
  *   ACT_F32 (default) | ACT_Q8   activations as float, or (Q8_0 / Q4_0 weights
@@ -36,6 +36,12 @@
  *                        x86 with AVX2 uses pmaddubsw/pmaddwd, other targets (and
  *                        MM_PORTABLE) a widening int multiply.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
+ *
+ * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
+ *   The weights as the float path reads them (the same WLOAD per element: every
+ *   quantized value is exact in float32, so these are the very values the
+ *   quantized matmul multiplies), for a prefill chunk to run the float tile on.
+ *   Same macros (K, N, WEIGHT_*); global = (ceil(K / 32), N), any local size.
  *
  * Launch: global = (round_up(ceil(N / ROWS_PER_ITEM), WG), G1), local = (WG, 1).
  *   G1 >= 1 is free: work-item (i, g) handles token tiles g, g + G1, ... With
@@ -188,7 +194,8 @@
 /* Independent accumulators per output (ACCS, default 2 for a 1x1 tile, else 1):
  * a single output's FMA chain is latency-bound; bigger tiles already have
  * RPI*TPI independent chains and more accumulators would spill. */
-#ifndef ACCS
+#if !defined(ACCS) || ACCS == 0
+#undef ACCS
 #if RPI * TPI == 1
 #define ACCS 2
 #else
@@ -443,6 +450,34 @@ __attribute__((always_inline)) inline void mm_tile_q(
     }
 }
 #endif /* ACT_Q8 */
+
+/* One 32-element step of one row per work-item: W[n, kb .. kb + 32) -> Y. */
+__kernel void dequantize(const __global WTYPE *W, __global float *Y)
+{
+    const int kb = get_global_id(0) * KSTEP, n = get_global_id(1);
+    if (kb >= K || n >= N)
+        return;
+    Y += (size_t)n * K;
+    const __global WTYPE *wrow[RPI];
+    #pragma unroll
+    for (int r = 0; r < RPI; r++)
+        wrow[r] = W + (size_t)n * ROW_STRIDE;
+    if (kb + KSTEP > K) {         /* F32/F16 rows whose K is not a multiple of 32 */
+        for (int k = kb; k < K; k++)
+#if defined(WEIGHT_F16)
+            Y[k] = loom_ldh(wrow[0] + k);
+#else
+            Y[k] = wrow[0][k];
+#endif
+        return;
+    }
+    const int kb0 = kb / KBLOCK * KBLOCK;
+    (void)kb0;
+    WSCALE_DECL
+    #pragma unroll
+    for (int c = 0; c < KSTEP; c += VW)
+        LOOM_CAT(loom_st_float, VW)(WLOAD(0, kb, c), Y + kb + c);
+}
 
 #if TPI > 16
 #error "matmul.cl: TOKENS_PER_ITEM must be at most 16"

@@ -347,6 +347,24 @@ def test_matmul(env, kind, case):
         assert_close(got, ref, REL[kind])
 
 
+@pytest.mark.parametrize("kind", KINDS + KQUANTS)
+def test_dequantize_is_exact_and_feeds_the_same_sums(env, kind):
+    """matmul.cl's dequantize writes exactly the reference values (every quantized value is exact
+    in float32: gguf's or the test's own decoder), and the float tile on them gives the quantized
+    tile's outputs bit for bit at the same VW (llama.loom's prefill path relies on it)."""
+    n, k = (19, 512) if kind in KQUANTS else (37, 96 if kind not in ("F32", "F16") else 100)
+    wraw, wref = (kquant_weights(kind, n, k, 11) if kind in KQUANTS else make_weights(kind, random_weights(7, n, k)))
+    prg = env.build("matmul", K=k, N=n, VW=8, **{"WEIGHT_" + kind: True})
+    yb = env.buf(np.full((n, k), np.nan, np.float32))
+    env.run(prg.dequantize, (-(-k // 32), n), None, env.buf(wraw), yb)
+    wf = env.read(yb, (n, k))
+    assert np.array_equal(wf.astype(np.float64), wref)
+    x = rng(8).standard_normal((40, k)).astype(np.float32)
+    quantized = run_matmul(env, kind, n, k, x, wraw, geometry=(2, 4, 8, 8))
+    widened = run_matmul(env, "F32", n, k, x, wf, geometry=(4, 2, 8, 8))
+    assert np.array_equal(quantized, widened)
+
+
 @pytest.mark.parametrize("kind", ["F32", "F16"])
 def test_matmul_k_not_multiple_of_32(env, kind):
     """F32/F16 rows of any length: the vector loop plus a scalar tail."""

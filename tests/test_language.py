@@ -288,6 +288,43 @@ def test_plan_errors():
         b.plan("nothing")
 
 
+WIDENING = '''module widen
+spec VW = vector_width == 8 ? 8 : 16
+kernel widen(w: tensor[N, K], y: buf)
+    source """__kernel void widen(__global const uchar *w, __global float *y) {}"""
+    defines { N = N, K = K, VW = VW, flag "WEIGHT_" + dtype(w) }
+    grid [N]
+command go(y: buf, T: int) {
+    if T >= 32 and dtype(w) != "F32" {
+        scratch wf : f32 [dim(w, 0), dim(w, 1)]
+        widen(w, wf)
+        widen(wf, y)
+    } else {
+        widen(w, y)
+    }
+}
+param w : weight [16, 64] = "w"
+'''
+
+
+def test_vector_width_is_predefined_and_dtype_reads_scratch_buffers():
+    """`vector_width` (the device's float vector width) is a predefined spec name; dtype() of a
+    scratch buffer is its own type, so one kernel declaration takes a param or a widened copy."""
+    module = language.parse(WIDENING, "widen.loom")
+    tensors = {"w": vm.Tensor((16, 64), "Q4_0")}
+    assert vm.bind(module, {}, tensors, vector_width=8).specs["VW"] == 8
+    binding = vm.bind(module, {}, tensors, vector_width=16)
+    assert binding.specs["VW"] == 16 and binding.vector_width == 16
+    widened = binding.plan("go", T=32)
+    assert [sorted(launch.defines) for launch in widened.launches] == [["K", "N", "VW", "WEIGHT_Q4_0"],
+                                                                       ["K", "N", "VW", "WEIGHT_F32"]]
+    assert list(widened.scratch.values()) == [("f32", (16, 64))]
+    (direct,) = binding.plan("go", T=31).launches
+    assert "WEIGHT_Q4_0" in direct.defines
+    with pytest.raises(LoomError, match="dtype\\(\\) needs a param or a scratch buffer"):
+        vm.bind(language.parse(WIDENING.replace("dtype(w) != ", "dtype(y) != ")), {}, tensors).plan("go", T=32)
+
+
 def test_runaway_loops_are_bounded():
     module = language.parse('module x\nkernel k(n: int) source """__kernel void k(int n) {}""" grid [1]\n'
                             "command c(n: int) { for i in 0..n { for j in 0..n { let z = i } } }")

@@ -352,6 +352,20 @@ def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt, reque
     check_logits(device, tmp_path, arch, dtype, fmt)
 
 
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0", "Q4_1"])
+def test_logits_match_numpy_at_each_vector_width(device, tmp_path, dtype, width):
+    """The package's matmul tiles follow the device's vector width (8 floats: AVX2 tiles of 8
+    accumulators; 16: AVX-512's 4 x 4 of float16): whichever the host has, both give numpy's logits."""
+    dev, _ = device
+    before = dev.info.get("vector_width", 0)
+    dev.info["vector_width"] = width
+    try:
+        check_logits(device, tmp_path, "llama", dtype, "gguf")
+    finally:
+        dev.info["vector_width"] = before
+
+
 # Q4_K_M-style mixes (q4_k_m_type), with dims (D, F) where fallback occurs: F = 320 rows
 # make ffn_down fall back to Q5_0 / Q8_0 beside Q4_K and Q6_K; D = 64 makes every matrix
 # but ffn_down fall back, as Qwen2.5-0.5B's D = 896 does in its Q4_K_M files.
