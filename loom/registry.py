@@ -198,6 +198,7 @@ class Registration:
         self.deactivate_when_idle = False
         self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
         self.staging = 0            # staged variants still compiling: they hold the compiler's model ownership
+        self.restores = 0           # parameter uploads on a worker: the registration goes only after them
         self.observations = 0       # management observations open (admin.py's credit)
         self.deadline = None        # the --prepare_timeout timer while preparing
         self.timed_out = False      # preparation passed it: whatever the worker returns is released
@@ -665,8 +666,15 @@ class Registry:
                                                                                "model": reg.name})
             for fn in callbacks:
                 fn(error)
+            self._restored(reg)
 
+        reg.restores += 1
         self.server.loop.run_in_executor(reg.prepared.restore, restored, checkpoint)
+
+    def _restored(self, reg):
+        # An unregistration that came while the upload ran releases what it charged now.
+        reg.restores -= 1
+        self._retire_if_idle(reg)
 
     def deactivate(self, reg):
         """Evict reg's parameters now if nothing is using them; returns the bytes freed."""
@@ -688,8 +696,13 @@ class Registry:
             return
         log.info("activating %s/%s", reg.name, name, extra={"event": "activating", "model": reg.name,
                                                             "component": name})
-        self.server.loop.run_in_executor(lambda: part.restore(reg.files.components[name][2]),
-                                         lambda _result, error: done(error) if done else None)
+        def restored(_result, error):
+            if done:
+                done(error)
+            self._restored(reg)
+
+        reg.restores += 1
+        self.server.loop.run_in_executor(lambda: part.restore(reg.files.components[name][2]), restored)
 
     def deactivate_component(self, reg, name):
         """Evict an extra component's parameters (the primary's stay); returns the bytes freed."""
@@ -783,7 +796,7 @@ class Registry:
         self._retire_if_idle(reg)
 
     def _retire_if_idle(self, reg):
-        if (reg.removing and not reg.jobs and not reg.staging and self.preparing is not reg
+        if (reg.removing and not reg.jobs and not reg.staging and not reg.restores and self.preparing is not reg
                 and self.registrations.get(reg.name) is reg):
             self._remove(reg)
 

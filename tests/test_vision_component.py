@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, _start_live, tiny_scout_dir
+from conftest import ROOT, _start_live, read_response, tiny_scout_dir
 
 _gen = importlib.util.spec_from_file_location("smolvlm_generate", os.path.join(ROOT, "models", "smolvlm", "generate.py"))
 generate = importlib.util.module_from_spec(_gen)
@@ -118,6 +118,34 @@ def test_an_image_component_registers_serves_its_modality_and_leaves_with_its_me
     assert registration(server, "seer") is None
     memory = status(server)["resources"]["memory"]
     assert "seer/image" not in memory["by_owner"] and "seer" not in memory["by_owner"]
+    assert memory["used"] == before
+
+
+def test_an_unregistration_while_weights_stream_back_waits_for_them_and_leaves_nothing_charged(server, towers):
+    """activate answers 202 and uploads on a worker; an unregister that arrives before the upload
+    ends must not release first and let the upload charge a pool owner nobody will free."""
+    before = status(server)["resources"]["memory"]["used"]
+    assert call(server, "/v1/models/register", scout("racer", towers[128]))[0] == 202
+    assert wait_phase(server, "racer", ("ready", "failed"))["phase"] == "ready"
+    assert call(server, "/v1/models/drain", {"model": "racer"})[0] in (200, 202)
+    for component in ("image", None):
+        assert call(server, "/v1/models/deactivate", dict({"model": "racer"}, **(
+            {"component": component} if component else {})))[0] == 202
+    sock = server.raw()
+    requests = [{"model": "racer", "component": "image"}, {"model": "racer"}, {"model": "racer"}]
+    paths = ["/v1/models/activate", "/v1/models/activate", "/v1/models/unregister"]
+    sock.sendall(b"".join(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(json.dumps(body)), json.dumps(body).encode())
+                          for path, body in zip(paths, requests)))   # one write: no upload ends in between
+    answers = [read_response(sock) for _ in paths]
+    sock.close()
+    assert [a[0] for a in answers][:2] == [202, 202] and answers[2][0] in (200, 202), answers
+    deadline = time.monotonic() + 30
+    while registration(server, "racer") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert registration(server, "racer") is None
+    memory = status(server)["resources"]["memory"]
+    assert "racer" not in memory["by_owner"] and "racer/image" not in memory["by_owner"]
     assert memory["used"] == before
 
 
