@@ -42,9 +42,10 @@ DEADLINE = 60.0     # seconds any one request may take before it counts as a han
 
 
 class Soak:
-    def __init__(self, short, port):
+    def __init__(self, short, port, kernel_cache=None):
         self.short = short
         self.port = port
+        self.kernel_cache = kernel_cache
         self.failures = []
         self.counts = collections.defaultdict(collections.Counter)
         self.lock = threading.Lock()
@@ -53,7 +54,8 @@ class Soak:
     def start(self):
         self.log = tempfile.NamedTemporaryFile(prefix="loom-soak-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([PY, "-m", "loom", "--listen", f"tcp:127.0.0.1:{self.port}", "--device", "cpu",
-                                      "--trial_timeout", "10", "--idle_timeout", "5", "--header_timeout", "3"],
+                                      "--trial_timeout", "10", "--idle_timeout", "5", "--header_timeout", "3",
+                                      *(("--kernel_cache", self.kernel_cache) if self.kernel_cache else ())],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -521,12 +523,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="the bounded version make test runs")
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
+    ap.add_argument("--kernel_cache", metavar="DIR", help="the server's --kernel_cache (default: its own default)")
     args = ap.parse_args()
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
-    soak = Soak(args.short, args.port)
+    soak = Soak(args.short, args.port, args.kernel_cache)
     soak.start()
     folder = tempfile.mkdtemp(prefix="loom-soak-")
     try:

@@ -12,6 +12,13 @@ def resource(name):
     return here if os.path.isdir(here) or not os.path.isdir(installed) else installed
 
 
+def cache_folder(name):
+    """$XDG_CACHE_HOME/loom/NAME (else ~/.cache/loom/NAME): generated checkpoints, built kernels."""
+    import os
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "loom", name)
+
+
 def open_regular(path):
     """A regular file opened for reading, else OSError: a FIFO or device named as a
     source, checkpoint or tokenizer would block (or never end) a preparation worker.

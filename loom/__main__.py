@@ -72,6 +72,10 @@ def parser():
                    help="seconds a package's stages may take in their trial run before it is refused")
     p.add_argument("--log_capacity", type=_positive_int, default=d.log_capacity,
                    help="entries kept in the /logz ring")
+    p.add_argument("--kernel_cache", metavar="DIR",
+                   help="folder where built OpenCL kernels are kept, so the next start loads them instead of "
+                        "compiling (keyed by source, defines, device, driver version and host CPU). "
+                        "Default: $XDG_CACHE_HOME/loom/kernels or ~/.cache/loom/kernels; 'none' keeps nothing")
     p.add_argument("--log_level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="stderr log level")
     return p
@@ -102,7 +106,8 @@ def main(argv=None):
                     workers=args.workers, log_capacity=args.log_capacity, log_level=args.log_level,
                     models=args.models, device=args.device, memory_bytes=args.memory_bytes,
                     registrations=args.registrations, package_bytes=args.package_bytes,
-                    prepare_timeout=args.prepare_timeout, trial_timeout=args.trial_timeout)
+                    prepare_timeout=args.prepare_timeout, trial_timeout=args.trial_timeout,
+                    kernel_cache="" if args.kernel_cache == "none" else args.kernel_cache)
     server = Server(config)
     configure_logging(args.log_level, server.logs)
     try:

@@ -29,6 +29,14 @@ except that pinned executables (``pin``/``unpin``, reference-counted by the
 plans and variants that hold them) are never evicted: ``capacity`` bounds the
 unpinned ones. Failures are not cached, so a fixed source (or a retry) builds
 again. Build logs are kept on both outcomes, bounded to ``LOG_CHARS``.
+
+With ``binaries`` (a ``BinaryStore``: the server's ``--kernel_cache`` folder) a
+successful build also leaves the device binary on disk under the same key, and
+a later build of that key (the next start) loads it instead of compiling: tens
+of milliseconds instead of seconds a kernel. The key names the device, its
+driver version and, for CPU drivers, the host's instruction set; a file that
+does not read back whole, or that the driver refuses, is deleted and the
+source is built again.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import os
+import tempfile
 import logging
 import math
 import numbers
@@ -54,7 +64,7 @@ from pyopencl._cl import _Program
 
 import loom
 
-__all__ = ["Compiler", "Executable", "BuildFailure", "LIBRARY", "LOG_CHARS", "run_now"]
+__all__ = ["Compiler", "Executable", "BuildFailure", "BinaryStore", "LIBRARY", "LOG_CHARS", "run_now"]
 
 log = logging.getLogger("loom.compiler")
 
@@ -163,20 +173,90 @@ class BuildFailure:
         return f"<BuildFailure {self.name} {self.key[:12]}: {self.message}>"
 
 
+class BinaryStore:
+    """Device binaries on disk, one file per cache key: MAGIC, the sha256 of the rest,
+    the build log's length (4 bytes) and text, then the binary. Bounded to
+    ``capacity_bytes``: the oldest files go first."""
+
+    MAGIC = b"LOOMBIN1"
+
+    def __init__(self, folder, capacity_bytes: int = 1 << 30):
+        self.folder = Path(folder)
+        self.capacity_bytes = capacity_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key):
+        return self.folder / f"{key}.bin"
+
+    def get(self, key):
+        """(binary, log) or None."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        head = len(self.MAGIC) + 32
+        body = data[head:]
+        if data[:len(self.MAGIC)] != self.MAGIC or hashlib.sha256(body).digest() != data[len(self.MAGIC):head] \
+                or len(body) < 4 or 4 + int.from_bytes(body[:4], "little") > len(body):
+            self.discard(key)
+            return None
+        size = int.from_bytes(body[:4], "little")
+        return body[4 + size:], body[4:4 + size].decode("utf-8", "replace")
+
+    def put(self, key, binary: bytes, log_text: str):
+        text = log_text.encode("utf-8")
+        body = len(text).to_bytes(4, "little") + text + bytes(binary)
+        fd, temp = tempfile.mkstemp(dir=self.folder, suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.MAGIC + hashlib.sha256(body).digest() + body)
+            os.replace(temp, self._path(key))   # readers see the whole file or none
+        except BaseException:
+            os.unlink(temp)
+            raise
+        self._trim()
+
+    def discard(self, key):
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:        # a read-only cache: the file stays, the source is built anyway
+            log.warning("kernel cache %s: cannot remove %s: %s", self.folder, key[:12], e)
+
+    def _trim(self):
+        files = []
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(".bin"):
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:
+                    continue                    # another process trimmed it
+                files.append((stat.st_mtime, stat.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.capacity_bytes:
+                break
+            Path(path).unlink(missing_ok=True)
+            total -= size
+
+
 class Compiler:
     """The build service and cache of one Device; see the module docstring."""
 
-    def __init__(self, device, submit, capacity: int = 256, library: Path | str | None = None):
+    def __init__(self, device, submit, capacity: int = 256, library: Path | str | None = None,
+                 binaries: BinaryStore | None = None):
         if type(capacity) is not int or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.device = device
         self.capacity = capacity
         self.library = Path(library) if library is not None else LIBRARY
         self._submit = submit
+        self.binaries = binaries
         self._lock = threading.Lock()      # start-up or preparation threads may compile too
         self._cache: collections.OrderedDict = collections.OrderedDict()   # key -> Executable, LRU first
         self._building: dict = {}          # key -> [on_done waiters]
-        self._stats = {"builds": 0, "failures": 0, "hits": 0, "misses": 0, "build_seconds": 0.0}
+        self._stats = {"builds": 0, "failures": 0, "hits": 0, "misses": 0, "build_seconds": 0.0,
+                       "binaries_loaded": 0}
         self._counters = None              # (builds, lookups, seconds) once metrics() registered them
 
     # -- sources -----------------------------------------------------------
@@ -238,7 +318,7 @@ class Compiler:
         if cached is not None:
             self._submit(lambda: cached, lambda result, error: _deliver([on_done], cached))
             return
-        self._submit(lambda: self._build(source, flags),
+        self._submit(lambda: self._build(source, flags, key),
                      lambda result, error: self._built(key, name, result, error))
 
     def compile(self, source: str, defines=None, options=(), *, name: str = "program"):
@@ -249,7 +329,7 @@ class Compiler:
         if cached is not None:
             return cached
         try:
-            built, error = self._build(source, flags), None
+            built, error = self._build(source, flags, key), None
         except BuildError as e:
             built, error = None, e
         return self._finish(key, name, built, error)
@@ -271,9 +351,21 @@ class Compiler:
         program._build(options=b"", devices=[self.device.cl_device])
         return Executable("binary", name, program, 0.0, "")
 
-    def _build(self, source, flags):
+    def _build(self, source, flags, key=None):
         """On a worker: (program, seconds, log) or raise BuildError."""
         start = time.perf_counter()
+        stored = self.binaries.get(key) if self.binaries is not None and key is not None else None
+        if stored is not None:
+            try:
+                program = _Program(self.device.context, [self.device.cl_device], [stored[0]])
+                program._build(options=b"", devices=[self.device.cl_device])
+            except cl.Error as e:           # a driver update the identity missed: build again
+                log.warning("stored binary %s refused (%s); building from source", key[:12], e)
+                self.binaries.discard(key)
+            else:
+                with self._lock:
+                    self._stats["binaries_loaded"] += 1
+                return program, time.perf_counter() - start, stored[1]
         program = _Program(self.device.context, source)
         try:
             program._build(options=flags.encode(), devices=[self.device.cl_device])
@@ -284,7 +376,14 @@ class Compiler:
                 text = ""
             raise BuildError(text or str(e), time.perf_counter() - start) from None
         seconds = time.perf_counter() - start
-        return program, seconds, program.get_build_info(self.device.cl_device, cl.program_build_info.LOG)
+        text = program.get_build_info(self.device.cl_device, cl.program_build_info.LOG)
+        if self.binaries is not None and key is not None:
+            try:
+                self.binaries.put(key, program.get_info(cl.program_info.BINARIES)[0], text)
+            except (OSError, cl.Error) as e:     # a full or read-only disk costs the next start only
+                log.warning("kernel cache %s: cannot store a binary: %s", self.binaries.folder, e)
+                self.binaries = None
+        return program, seconds, text
 
     def _built(self, key, name, result, error):
         outcome = self._finish(key, name, result, error)

@@ -81,6 +81,7 @@ import atexit
 import json
 import logging
 import os
+import platform
 import re
 import select
 import shutil
@@ -736,6 +737,18 @@ class Guarded:
         return host
 
 
+def host_cpu() -> str:
+    """The host CPU's model and instruction-set flags (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n\n")[0].splitlines()
+    except OSError:
+        lines = []
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
+    fields = [line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() in wanted]
+    return ";".join(fields) or f"{platform.machine()};{platform.processor()}"
+
+
 class Device:
     """One OpenCL device: ``context``, one in-order ``queue``, ``pool``, ``info``."""
 
@@ -757,9 +770,11 @@ class Device:
             raise ValueError(f"memory_bytes must be an int in 1..{total} (the device's global memory), "
                              f"got {memory_bytes!r}")
         self.info["memory_limit_bytes"] = memory_bytes
-        # What a compiled program depends on: the compiler keys its cache with it.
-        self.identity = "|".join(info[k] for k in ("platform_name", "name", "vendor", "driver_version",
-                                                   "opencl_version"))
+        # What a compiled program depends on: the compiler keys its caches with it. A CPU
+        # driver emits native code for the host's instruction set, and CPUs of one name differ
+        # (an "AMD EPYC" may have AVX-512 or not): its binaries are keyed by the host's flags too.
+        self.identity = "|".join([info[k] for k in ("platform_name", "name", "vendor", "driver_version",
+                                                    "opencl_version")] + ([host_cpu()] if info["type"] == "cpu" else []))
         self.context = cl.Context([self.cl_device])
         self.queue = cl.CommandQueue(self.context)
         self.pool = MemoryPool(self.context, memory_bytes, info["max_allocation_bytes"])

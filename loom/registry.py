@@ -15,7 +15,7 @@ import re
 import threading
 import time
 
-from . import jsonin, language, open_regular, proving, runtime, tokenizer
+from . import cache_folder, jsonin, language, open_regular, proving, runtime, tokenizer
 from .errors import Error, Problem
 from .jsonin import Arr, Bool, Enum, Int, Map, Num, Obj, Str
 
@@ -337,12 +337,19 @@ class Registry:
     def open_device(self):
         """Probe every OpenCL device and open the chosen one, before any registration
         prepares. Raises device.NoUsableDevice (a ValueError: start fails, exit 2)."""
-        from .compiler import Compiler
+        from .compiler import BinaryStore, Compiler
         from .device import Device
         cfg = self.server.config
         self.device = Device(cfg.device, cfg.memory_bytes)
         loop = self.server.loop
-        self.compiler = Compiler(self.device, lambda fn, done: loop.run_in_executor(fn, done))
+        binaries = None
+        folder = cfg.kernel_cache if cfg.kernel_cache is not None else cache_folder("kernels")
+        if folder:
+            try:
+                binaries = BinaryStore(folder)
+            except OSError as e:
+                log.warning("kernel cache %s unusable (%s): every start compiles", folder, e)
+        self.compiler = Compiler(self.device, lambda fn, done: loop.run_in_executor(fn, done), binaries=binaries)
         self.device.pool.set_evictor(self._evict_for)
         self.device.metrics(self.server.metrics)
         self.compiler.metrics(self.server.metrics)

@@ -59,6 +59,7 @@ class Config:
     package_bytes: int = 256 << 20          # uploaded package bytes retained by all registrations
     prepare_timeout: float = 600.0          # seconds a preparation may take before it fails
     trial_timeout: float = 60.0             # seconds a package's trial run may take (proving.py)
+    kernel_cache: str | None = None         # folder of built kernels kept across starts; "" for none
 
 
 class Listener:

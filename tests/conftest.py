@@ -23,6 +23,8 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -37,6 +39,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # reads its configuration once, and Intel's runtime is visible only through the
 # vendors folder that loom.device writes (servers started by tests inherit it).
 loom_device.arrange_loader()
+
+# The servers of one test run share a kernel cache of their own (the user's stays
+# untouched, and a run never depends on what an earlier one left): the first server
+# to build a kernel stores it, the later ones load it.
+KERNELS = tempfile.mkdtemp(prefix="loom-test-kernels-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(KERNELS, ignore_errors=True)
 
 
 def cpu_drivers():
@@ -73,8 +84,9 @@ class Endpoint:
             return UnixHTTPConnection(self.unix_path, timeout)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
-    def request(self, method, path, body=None, headers=None, transport="tcp"):
-        conn = self.connection(transport)
+    def request(self, method, path, body=None, headers=None, transport="tcp", timeout=60):
+        # 60 s: a deployment's first request may build its geometry's kernels on two busy cores.
+        conn = self.connection(transport, timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
@@ -187,6 +199,8 @@ def _start_live(tmp_path, flags, catalog=None):
             docs = []
         (tmp_path / "catalog.json").write_text(json.dumps(docs))
         flags = ("--models", str(tmp_path / "catalog.json"), *flags)
+    if "--kernel_cache" not in flags:
+        flags = ("--kernel_cache", KERNELS, *flags)
     cmd = [sys.executable, "-m", "loom", "--listen", "tcp:127.0.0.1:0", "--listen", f"unix:{unix_path}", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -1,14 +1,17 @@
 """loom.compiler on the real PoCL CPU device, driven by the server's real event loop."""
 
+import hashlib
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import loom
-from loom.compiler import LIBRARY, LOG_CHARS, BuildFailure, Compiler, Executable
+from loom.compiler import LIBRARY, LOG_CHARS, BinaryStore, BuildFailure, Compiler, Executable
 from loom.device import Device
 from loom.metrics import Registry
 from loom.loop import Loop
@@ -231,3 +234,117 @@ def test_capacity_must_be_positive(device, loop):
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="capacity"):
             make(device, loop, capacity=bad)
+
+
+# -- binaries kept on disk (--kernel_cache) ------------------------------------
+
+def test_a_second_compiler_loads_the_stored_binary_and_keeps_its_log(device, loop, tmp_path):
+    """The next start's compiler finds the binary the first one built: it runs the same,
+    its warning log comes back with it, and nothing compiles."""
+    source = "#warning kept with the binary\n__kernel void k(__global int *out) { out[0] = VALUE; }\n"
+    first = make(device, loop, binaries=BinaryStore(tmp_path))
+    built = first.compile(source, {"VALUE": 7})
+    assert built.ok and first.stats()["binaries_loaded"] == 0 and len(list(tmp_path.glob("*.bin"))) == 1
+    second = make(device, loop, binaries=BinaryStore(tmp_path))
+    loaded = second.compile(source, {"VALUE": 7})
+    assert loaded.ok and second.stats()["binaries_loaded"] == 1
+    assert "kept with the binary" in loaded.log and loaded.log == built.log
+    assert run_kernel(device, loaded.kernels["k"])[0] == 7
+    other = second.compile(source, {"VALUE": 8})      # another key: built, then stored
+    assert run_kernel(device, other.kernels["k"])[0] == 8 and second.stats()["binaries_loaded"] == 1
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_a_damaged_or_refused_file_is_a_miss_and_is_replaced(device, loop, tmp_path_factory, data):
+    """Truncated, flipped, grown or foreign-binary files: never an error, the source is
+    built again (the right result), and a whole file stands in its place."""
+    folder = tmp_path_factory.mktemp("bins")
+    make(device, loop, binaries=BinaryStore(folder)).compile(WRITE, {"VALUE": 5})
+    (path,) = folder.glob("*.bin")
+    raw = bytearray(path.read_bytes())
+    damage = data.draw(st.sampled_from(["truncate", "flip", "append", "foreign"]))
+    if damage == "truncate":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    elif damage == "flip":
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    elif damage == "append":
+        raw += data.draw(st.binary(min_size=1, max_size=64))
+    else:   # a whole, checksummed envelope around bytes no driver takes
+        body = (0).to_bytes(4, "little") + data.draw(st.binary(min_size=0, max_size=256))
+        raw = BinaryStore.MAGIC + hashlib.sha256(body).digest() + body
+    path.write_bytes(bytes(raw))
+    again = make(device, loop, binaries=BinaryStore(folder))
+    exe = again.compile(WRITE, {"VALUE": 5})
+    assert exe.ok and run_kernel(device, exe.kernels["k"])[0] == 5 and again.stats()["binaries_loaded"] == 0
+    assert BinaryStore(folder).get(exe.key) is not None        # replaced by a whole one
+
+
+def test_the_store_stays_under_its_capacity_oldest_first(device, loop, tmp_path):
+    compiler = make(device, loop, binaries=BinaryStore(tmp_path, capacity_bytes=1))
+    for value in range(3):
+        compiler.compile(WRITE, {"VALUE": value})
+        time.sleep(0.01)
+    assert len(list(tmp_path.glob("*.bin"))) <= 1 and not list(tmp_path.glob("*.part"))
+    roomy = make(device, loop, binaries=BinaryStore(tmp_path / "roomy"))
+    sizes = []
+    for value in range(3):
+        roomy.compile(WRITE, {"VALUE": value})
+        sizes.append(sum(p.stat().st_size for p in (tmp_path / "roomy").glob("*.bin")))
+        time.sleep(0.01)
+    capped = make(device, loop, binaries=BinaryStore(tmp_path / "capped", capacity_bytes=sizes[1]))
+    keys = [capped.compile(WRITE, {"VALUE": value}).key for value in range(3)]
+    time.sleep(0.01)
+    stored = {p.stem for p in (tmp_path / "capped").glob("*.bin")}
+    assert keys[0] not in stored and keys[2] in stored
+
+
+def test_an_unwritable_folder_still_builds(device, loop, tmp_path):
+    store = BinaryStore(tmp_path / "ro")
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        compiler = make(device, loop, binaries=store)
+        exe = compiler.compile(WRITE, {"VALUE": 3})
+        assert exe.ok and run_kernel(device, exe.kernels["k"])[0] == 3
+        if not list((tmp_path / "ro").glob("*.bin")):     # root writes anyway
+            assert compiler.binaries is None              # one warning, then no more tries
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def test_cpu_identity_names_the_host_instruction_set(device):
+    from loom.device import host_cpu
+    assert device.info["type"] != "cpu" or device.identity.endswith("|" + host_cpu())
+    assert host_cpu()
+
+
+def test_a_restarted_server_loads_its_kernels_and_none_keeps_nothing(tmp_path):
+    """`python -m loom --kernel_cache DIR`: the second start of the same catalog builds from
+    the stored binaries (the jit status says how many) and answers the same; with `none`
+    every start compiles."""
+    import json
+
+    from conftest import _start_live
+
+    def start_and_answer(run, cache):
+        (tmp_path / run).mkdir()
+        server = _start_live(tmp_path / run, ("--kernel_cache", cache), catalog="tiny")
+        try:
+            body = {"model": "scout", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "temperature": 0}
+            status, _, data = server.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            assert status == 200
+            jit = json.loads(server.request("GET", "/v1/status")[2])["resources"]["jit"]
+            return jit, json.loads(data)["choices"][0]["message"]["content"]
+        finally:
+            server.stop()
+
+    kernels = tmp_path / "kernels"
+    cold, first = start_and_answer("cold", str(kernels))
+    assert cold["builds"] > 0 and cold["binaries_loaded"] == 0 and len(list(kernels.glob("*.bin"))) == cold["builds"]
+    warm, second = start_and_answer("warm", str(kernels))
+    assert warm["binaries_loaded"] == warm["builds"] == cold["builds"] and second == first
+    none, third = start_and_answer("none", "none")
+    assert none["builds"] == cold["builds"] and none["binaries_loaded"] == 0 and third == first
