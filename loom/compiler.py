@@ -44,12 +44,12 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
-import tempfile
 import logging
 import math
 import numbers
+import os
 import re
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -347,18 +347,20 @@ class Compiler:
     def load_binary(self, binary: bytes, name: str = "program"):
         """An Executable from a device binary built earlier by this device's driver
         (uncached): the proving ground's child runs exactly what the server built."""
+        return Executable("binary", name, self._from_binary(binary), 0.0, "")
+
+    def _from_binary(self, binary):
         program = _Program(self.device.context, [self.device.cl_device], [binary])
         program._build(options=b"", devices=[self.device.cl_device])
-        return Executable("binary", name, program, 0.0, "")
+        return program
 
-    def _build(self, source, flags, key=None):
+    def _build(self, source, flags, key):
         """On a worker: (program, seconds, log) or raise BuildError."""
         start = time.perf_counter()
-        stored = self.binaries.get(key) if self.binaries is not None and key is not None else None
+        stored = self.binaries.get(key) if self.binaries is not None else None
         if stored is not None:
             try:
-                program = _Program(self.device.context, [self.device.cl_device], [stored[0]])
-                program._build(options=b"", devices=[self.device.cl_device])
+                program = self._from_binary(stored[0])
             except cl.Error as e:           # a driver update the identity missed: build again
                 log.warning("stored binary %s refused (%s); building from source", key[:12], e)
                 self.binaries.discard(key)
@@ -377,7 +379,7 @@ class Compiler:
             raise BuildError(text or str(e), time.perf_counter() - start) from None
         seconds = time.perf_counter() - start
         text = program.get_build_info(self.device.cl_device, cl.program_build_info.LOG)
-        if self.binaries is not None and key is not None:
+        if self.binaries is not None:
             try:
                 self.binaries.put(key, program.get_info(cl.program_info.BINARIES)[0], text)
             except (OSError, cl.Error) as e:     # a full or read-only disk costs the next start only

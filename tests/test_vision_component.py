@@ -61,6 +61,17 @@ def wait_phase(server, name, phases, timeout=300):
     raise AssertionError(f"{name} never reached {phases}: {registration(server, name)}")
 
 
+def assert_gone_with_its_memory(server, name, used_before):
+    """The unregistered `name` leaves /v1/status, and the pool holds nothing of it or its image."""
+    deadline = time.monotonic() + 30
+    while registration(server, name) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert registration(server, name) is None
+    memory = status(server)["resources"]["memory"]
+    assert name not in memory["by_owner"] and f"{name}/image" not in memory["by_owner"]
+    assert memory["used"] == used_before
+
+
 def scout(name, tower, **fields):
     return dict({"model": name, "kind": "text", "sources": [os.path.join(ROOT, "models", "llama", "llama.loom")],
                  "checkpoint": os.path.join(tiny_scout_dir(), "model.safetensors"), "rows": 2,
@@ -112,13 +123,7 @@ def test_an_image_component_registers_serves_its_modality_and_leaves_with_its_me
     assert call(server, "/v1/models/activate", {"model": "seer"})[0] == 202
     assert call(server, "/v1/models/undrain", {"model": "seer"})[0] in (200, 202)
     assert call(server, "/v1/models/unregister", {"model": "seer"})[0] in (200, 202)
-    deadline = time.monotonic() + 30
-    while registration(server, "seer") is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert registration(server, "seer") is None
-    memory = status(server)["resources"]["memory"]
-    assert "seer/image" not in memory["by_owner"] and "seer" not in memory["by_owner"]
-    assert memory["used"] == before
+    assert_gone_with_its_memory(server, "seer", before)
 
 
 def test_an_unregistration_while_weights_stream_back_waits_for_them_and_leaves_nothing_charged(server, towers):
@@ -140,13 +145,7 @@ def test_an_unregistration_while_weights_stream_back_waits_for_them_and_leaves_n
     answers = [read_response(sock) for _ in paths]
     sock.close()
     assert [a[0] for a in answers][:2] == [202, 202] and answers[2][0] in (200, 202), answers
-    deadline = time.monotonic() + 30
-    while registration(server, "racer") is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert registration(server, "racer") is None
-    memory = status(server)["resources"]["memory"]
-    assert "racer" not in memory["by_owner"] and "racer/image" not in memory["by_owner"]
-    assert memory["used"] == before
+    assert_gone_with_its_memory(server, "racer", before)
 
 
 def test_a_tower_for_another_width_fails_the_registration_by_its_contract(server, towers):
