@@ -325,8 +325,10 @@ class ExecPlan:
             for name, (dtype, dims) in layout.scratch.items():
                 nbytes = vm.itemsize(dtype) * math.prod(dims)
                 self.scratch[name] = pool.alloc(nbytes, prepared.name, "workspace")
-            self.launches = []       # (kernel, global, local)
-            self.slots = []          # (kernel, arg index, command buffer arg name)
+            # (kernel, global, local, ((arg index, command buffer arg name), ...)): a run binds
+            # each kernel's buffer arguments just before its launch, so the device starts on
+            # the first kernel while the host binds the rest.
+            self.launches = []
             for launch in layout.launches:
                 executable = built[(launch.kernel, tuple(sorted(launch.defines.items())))]
                 if executable not in self.executables:
@@ -335,16 +337,17 @@ class ExecPlan:
                 entry = binding.module.find("kernels", launch.kernel).entry
                 kernel = prepared.device.kernel(executable.program, entry)
                 _check_limits(prepared.device, kernel, launch)
+                slots = []
                 for i, (value, kind) in enumerate(zip(launch.args, launch.arg_types)):
                     if kind == "int":
                         kernel.set_arg(i, np.int32(value))
                     elif kind == "float":
                         kernel.set_arg(i, np.float32(value))
                     elif value.kind == "arg":
-                        self.slots.append((kernel, i, value.name))
+                        slots.append((i, value.name))
                     else:
                         kernel.set_arg(i, self._buffer(value))
-                self.launches.append((kernel, launch.grid, launch.local))
+                self.launches.append((kernel, launch.grid, launch.local, tuple(slots)))
         except BaseException:
             self.release()
             raise
@@ -359,11 +362,11 @@ class ExecPlan:
 
     def run(self, buffers):
         """Enqueue the whole plan; returns the last launch's event."""
-        for kernel, i, name in self.slots:
-            kernel.set_arg(i, buffers[name].buffer)
         device = self.prepared.device
         event = None
-        for kernel, grid, local in self.launches:
+        for kernel, grid, local, slots in self.launches:
+            for i, name in slots:
+                kernel.set_arg(i, buffers[name].buffer)
             event = device.launch(kernel, grid, local)
         device.flush()
         return event
