@@ -8,8 +8,9 @@ and aggregate tokens/s for 1, 4, 8 and 16 concurrent clients (the whole wall,
 prefill of every prompt included), and beside it the steady decode rate:
 tokens streamed while every client was past its first token and none had
 finished (no prefill in the cohort). The package's own decode speed
-(bench/llama.py's direct loop) is measured in the same run, before the server
-starts: the serving overhead is how much slower one HTTP client decodes.
+(bench/llama.py's direct loop) is measured in the same run, in rounds that
+alternate with one HTTP client's: the serving overhead is how much slower that
+client decodes (medians).
 
 With --gguf PATH, a GGUF that carries its own tokenizer and chat template
 instead (`--gguf smollm2`: the default catalog's SmolLM2-135M-Instruct).
@@ -31,6 +32,7 @@ import http.client  # noqa: E402
 import importlib.util  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -64,6 +66,7 @@ def tokenizer_beside(gguf_path, vocab):
 
 
 NONCE = itertools.count(1000)
+ROUNDS = 7      # alternating direct and HTTP decode runs
 
 
 def stream(port, prompt, max_tokens, times=None):
@@ -189,9 +192,6 @@ def main():
     prepared = runtime.prepare("direct", [package_bench.SOURCE], gguf, {"pages": 64, "page_size": 16,
                                                                        "context_length": 1024},
                                device, Compiler(device, run_now))
-    # Best of 3, as for the HTTP figures below: the machines swing between runs.
-    direct = max(package_bench.loom_figures(prepared, list(range(1, 129)), args.tokens)[1] for _ in range(3))
-    prepared.release()
 
     folder = os.path.dirname(gguf)
     os.makedirs(package_bench.CACHE, exist_ok=True)
@@ -211,11 +211,18 @@ def main():
         for p in (short, long):
             ttft = min(stream(port, p, 1)[0] for _ in range(3))
             print(f"time to first token, {count(port, p):4d}-token prompt  {ttft * 1000:8.1f} ms")
-        runs = [stream(port, short, args.tokens) for _ in range(3)]
-        http_decode = max((tokens - 1) / rest for _, rest, tokens in runs)
+        # The machines swing by 10% within a minute: direct and HTTP rounds alternate (the
+        # server idles while the direct loop runs) and the medians are compared.
+        runs, direct = [], []
+        for _ in range(ROUNDS):
+            direct.append(package_bench.loom_figures(prepared, list(range(1, 129)), args.tokens)[1])
+            runs.append(stream(port, short, args.tokens))
+        prepared.release()
+        http_decode = statistics.median((tokens - 1) / rest for _, rest, tokens in runs)
+        direct = statistics.median(direct)
         tokens = min(r[2] for r in runs)
-        print(f"decode, one client over HTTP       {http_decode:8.1f} tok/s (best of 3, {tokens}+ tokens)")
-        print(f"decode, the package direct         {direct:8.1f} tok/s (best of 3; same weights, same run)")
+        print(f"decode, one client over HTTP       {http_decode:8.1f} tok/s (median of {ROUNDS}, {tokens}+ tokens)")
+        print(f"decode, the package direct         {direct:8.1f} tok/s (median of {ROUNDS}, alternating with HTTP)")
         print(f"serving overhead                   {(1 - http_decode / direct) * 100:8.1f} %")
         base = None
         for n in clients:
