@@ -224,11 +224,11 @@ class Cohort:
 def per_kernel(plan, bufs, totals):
     """Replay `plan` launch by launch, waiting for each: seconds per kernel into totals."""
     import pyopencl as cl
-    for kernel, i, name in plan.slots:
-        kernel.set_arg(i, bufs[name].buffer)
     queue = plan.prepared.device.queue
     queue.finish()
-    for (kernel, grid, local), launch in zip(plan.launches, plan.layout.launches):
+    for (kernel, grid, local, slots), launch in zip(plan.launches, plan.layout.launches):
+        for i, name in slots:
+            kernel.set_arg(i, bufs[name].buffer)
         d = launch.defines
         key = f"{launch.kernel} {d['N']}x{d['K']}" if "N" in d and "K" in d else launch.kernel
         start = time.perf_counter()

@@ -107,7 +107,7 @@ def bench_replay(device, compiler, seconds):
     launches = 200
     plan = get_plan(prepared, "step", {"L": launches})
     queue = device.queue
-    kernels = [(k, g, l) for k, g, l in plan.launches]
+    kernels = [(k, g, l) for k, g, l, _ in plan.launches]
     for kernel, _, _ in kernels:
         kernel.set_arg(0, x.buffer)
 
