@@ -206,6 +206,7 @@ def main():
         for p in (short, long):
             stream(port, p, 4)                                         # warm: compile every shape
         stream(port, "x", 4)
+        clients_run(port, short, 4, max(clients))    # warm: the cohort shapes (a first 8-row step compiles)
         print(f"device: {device.describe()}")
         print(f"model: {label}; {args.tokens} tokens per request, temperature 0\n")
         for p in (short, long):
