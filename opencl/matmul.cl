@@ -22,6 +22,11 @@
  *   WG             (8)   local size along dim 0 (reqd_work_group_size)
  *   VW            (16)   vector width along K: 4, 8 or 16
  *   ACCS          (0 or unset: 2 for a 1x1 tile, else 1)  independent accumulators per output
+ *   LUT            (0)   Q4_0 / Q5_0 weights with VW 16: each block's possible values
+ *                        as a 16-float table, weight vectors looked up lane-wise (a
+ *                        variable permute on AVX-512) instead of converted and scaled;
+ *                        the same values, so the same bits. Elsewhere ignored. Slower
+ *                        on GPUs (vector subscripts); measured only on CPUs.
  *   HAS_BIAS             add b[n]
  *   ACCUMULATE           Y += result (residual add) instead of Y = result
  *   ACT_F32 (default) | ACT_Q8   activations as float, or (Q8_0 / Q4_0 weights
@@ -98,6 +103,34 @@
 #error "matmul.cl: define exactly one of WEIGHT_F32, WEIGHT_F16, WEIGHT_Q8_0, WEIGHT_Q4_0, WEIGHT_Q4_1, WEIGHT_Q5_0, WEIGHT_Q5_1, WEIGHT_Q2_K, WEIGHT_Q3_K, WEIGHT_Q4_K, WEIGHT_Q5_K, WEIGHT_Q6_K"
 #endif
 
+/* LUT (VW 16, Q4_0 and Q5_0 weights): a block's sixteen possible values are one
+ * float16 table, built once per block (exactly the products the unpacking path
+ * forms), and each weight vector is a lane-wise lookup by its nibbles, which
+ * compilers for AVX-512 emit as one vpermps: no int->float conversion or
+ * dequantizing fma per vector (opencl/README.md has the measured speed-up). */
+#if defined(LUT) && LUT && VW == 16
+#define MM_LUT 1
+#define MM_IOTA16F (float16)(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f, 9.0f, 10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f)
+/* t[i & 15] per lane: element subscripts the back end turns into a variable permute
+ * (OpenCL's shuffle() with a run-time mask was 2-7x slower on both CPU drivers) */
+inline float16 mm_lut16(float16 t, uint16 i)
+{
+    i &= (uint16)15;
+    return (float16)(t[i.s0], t[i.s1], t[i.s2], t[i.s3], t[i.s4], t[i.s5], t[i.s6], t[i.s7],
+                     t[i.s8], t[i.s9], t[i.sa], t[i.sb], t[i.sc], t[i.sd], t[i.se], t[i.sf]);
+}
+/* 5-bit quants: lane j takes hi's entry where bit j of h (its fifth bit) is set */
+inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
+{
+    int16 top = as_int16((uint16)h << (uint16)(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16));
+    return select(mm_lut16(lo, i), mm_lut16(hi, i), top);
+}
+/* a block's 16 quant bytes widened to uint lanes: the low nibbles feed elements
+ * 0..15, the same lanes >> 4 elements 16..31 */
+#define MM_QB(blk) convert_uint16(loom_ld_uchar16(blk))
+#define MM_NIB(qb, c) ((c) < 16 ? (qb) : (qb) >> 4)
+#endif
+
 /* KSTEP: elements per step (one quantized block, or one 32-element chunk of a
  * K-quant superblock); WLOAD(r, kb, c): VW dequantized weights of row r at
  * k = kb + c; WSCALE_DECL: per-step block scales. KBLOCK: elements per unrolled
@@ -125,8 +158,16 @@
 #define WTYPE uchar
 #define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q5_0_BYTES)
 #define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q5_0_BYTES)
+#ifdef MM_LUT
+#define WSCALE_DECL float16 tlo[RPI], thi[RPI]; uint16 qb[RPI]; uint qh[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { \
+    const float d_ = loom_block_scale_finite(WBLK(r, kb)); \
+    tlo[r] = (MM_IOTA16F - 16.0f) * d_; thi[r] = MM_IOTA16F * d_; \
+    qh[r] = loom_q5_high(WBLK(r, kb), 2); qb[r] = MM_QB(WBLK(r, kb) + 6); }
+#define WLOAD(r, kb, c) mm_lut16_q5(tlo[r], thi[r], MM_NIB(qb[r], c), (c) < 16 ? qh[r] : qh[r] >> 16)
+#else
 #define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = loom_block_scale_finite(WBLK(r, kb)); m[r] = -16.0f * d[r]; }
 #define WLOAD(r, kb, c) (LOOM_CAT(loom_q5_u, VW)(WBLK(r, kb), 6, 2, (c)) * d[r] + m[r])
+#endif
 #elif defined(WEIGHT_Q5_1)
 #define WTYPE uchar
 #define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q5_1_BYTES)
@@ -165,8 +206,14 @@
 #define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q4_0_BYTES)
 #define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q4_0_BYTES)
 /* d * (q - 8) as one fma: q * d + (-8 d) */
+#ifdef MM_LUT
+#define WSCALE_DECL float16 tab[RPI]; uint16 qb[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { \
+    tab[r] = (MM_IOTA16F - 8.0f) * loom_block_scale_finite(WBLK(r, kb)); qb[r] = MM_QB(WBLK(r, kb) + 2); }
+#define WLOAD(r, kb, c) mm_lut16(tab[r], MM_NIB(qb[r], c))
+#else
 #define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = loom_block_scale_finite(WBLK(r, kb)); m[r] = -8.0f * d[r]; }
 #define WLOAD(r, kb, c) (LOOM_CAT(loom_q4_0_u, VW)(WBLK(r, kb), (c)) * d[r] + m[r])
+#endif
 #endif
 
 #ifdef KQ_BYTES

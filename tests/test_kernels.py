@@ -480,6 +480,28 @@ def test_matmul_subnormal_scales(env, kind):
     assert_close(got, x.astype(np.float64) @ wref.T, REL[kind])
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+def test_matmul_lut_unpacking_gives_the_same_bits(env, kind):
+    """LUT (table lookup of a block's values, what llama.loom builds on CPUs) against the
+    unpacking path at llama.loom's 16-lane geometries and every tail width: the same
+    outputs bit for bit (a reply must not depend on the driver's unpacking), and numpy's.
+    Blocks with zero, subnormal and large scales, and every nibble and fifth bit."""
+    n, k = 29, 896
+    w = random_weights(51, n, k)
+    w[2] *= np.float32(1e-4)                                  # f16-subnormal block scales
+    w[3] *= np.float32(1e3)
+    wraw, wref = make_weights(kind, w)
+    x = rng(52).standard_normal((19, k)).astype(np.float32)
+    y0 = rng(53).standard_normal((19, n)).astype(np.float32)
+    for geometry, ts in (((1, 1, 8, 16), (1, 2, 5)), ((1, 4, 8, 16), (3, 4, 7)),
+                         ((1, 8, 8, 16), (8, 11, 15)), ((4, 4, 8, 16), (16, 19))):
+        for t in ts:
+            plain = run_matmul(env, kind, n, k, x[:t], wraw, y0=y0[:t], geometry=geometry)
+            lut = run_matmul(env, kind, n, k, x[:t], wraw, y0=y0[:t], geometry=geometry, extra=dict(LUT=1))
+            assert np.array_equal(lut.view(np.uint32), plain.view(np.uint32)), (geometry, t)
+            assert_close(lut, y0[:t] + x[:t].astype(np.float64) @ wref.T, REL[kind])
+
+
 def test_matmul_views_and_token_split(env):
     """x_off/ldx and y_off/ldy address column slices of wider buffers, and a
     second global dimension G1 > 1 splits tokens across work-items."""
