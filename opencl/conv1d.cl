@@ -70,6 +70,7 @@
  * Macros:
  *   C, KW                 required (all kernels)
  *   O                     output channels; conv1d_direct and conv_transpose1d exist only when defined
+ *   OUT_VW (4, 8, 16)     builds conv1d_outer and conv_transpose1d_outer instead of those two (with O)
  *   STRIDE (1), PAD (0), DILATION (1)   conv_transpose1d exists only with DILATION 1 and PAD >= 0
  *   WEIGHT_F32 (default) | WEIGHT_F16   W as float or half (storage; widened once per work-item)
  *   HAS_BIAS, ACCUMULATE  (all three direct kernels)
@@ -203,8 +204,8 @@ inline int conv_seq(const __global int *offs, int S, int s, int t)
     return s;
 }
 
-/* ---- conv1d_direct ---- */
-#ifdef O
+/* ---- conv1d_direct (built without OUT_VW) ---- */
+#if defined(O) && !defined(OUT_VW)
 __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
                             const __global WTYPE *W, const __global float *bias,
                             __global float *Y, int y_off, int ldy,
@@ -302,6 +303,157 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
 }
 #endif /* O */
 
+/* ---- conv1d_outer: conv1d_direct's contract as outer products over outputs ----
+ * The same arguments, result and launch shape as conv1d_direct (but not OUT_TANH;
+ * global = (ceil(O / (OUT_VW * OUT_VECS)), G1)). conv1d_direct sums each output's VW
+ * lanes at the end of a tile, one horizontal sum per (output, frame), which costs as
+ * much as the FMAs when C * KW is small (HiFi-GAN's 32- and 64-channel stages). Here
+ * an item holds OUT_VECS vectors of OUT_VW (4, 8, 16) consecutive outputs for
+ * FRAMES_PER_ITEM frames: per (tap, input channel) one activated input, broadcast,
+ * feeds OUT_VECS FMAs a frame, and nothing is summed across lanes. A tile first
+ * stages its inputs, activated and zeroed outside their sequence, [frame][tap][channel]
+ * in private memory (VW-wide). Private memory per item: KW * C * OUT_VECS * OUT_VW
+ * floats of weights (32 KB at C = 192, KW = 7, 2 x 16) and TT * KW * C of inputs.
+ * Conv1d_direct stays the kernel for one or a few outputs (conv_post). */
+#if defined(O) && defined(OUT_VW)
+#ifdef OUT_TANH
+#error "conv1d.cl: conv1d_outer has no OUT_TANH"
+#endif
+#ifndef OUT_VECS
+#define OUT_VECS 2
+#endif
+#if OUT_VW != 4 && OUT_VW != 8 && OUT_VW != 16
+#error "conv1d.cl: OUT_VW must be 4, 8 or 16"
+#endif
+#define OVF LOOM_CAT(float, OUT_VW)
+#define OV_LD(p) LOOM_CAT(loom_ld_float, OUT_VW)(p)
+#define OV_ST(v, p) LOOM_CAT(loom_st_float, OUT_VW)(v, p)
+
+/* acc[v][j] = sum over taps i < NTAPS and channels c of wp[i][c][v] * xs[j][i][c], the
+ * input broadcast: OUT_VECS FMAs per input, each channel's weights loaded once a tile. */
+#define OUTER_PRODUCTS(acc, wp, xs, NTAPS)                                         \
+    _Pragma("unroll")                                                              \
+    for (int v = 0; v < OUT_VECS; v++)                                             \
+        _Pragma("unroll")                                                          \
+        for (int j = 0; j < TT; j++)                                               \
+            acc[v][j] = (OVF)(0.0f);                                               \
+    for (int i = 0; i < (NTAPS); i++)                                              \
+        for (int c = 0; c < C; c++) {                                              \
+            OVF w[OUT_VECS];                                                       \
+            _Pragma("unroll")                                                      \
+            for (int v = 0; v < OUT_VECS; v++)                                     \
+                w[v] = wp[i][c][v];                                                \
+            _Pragma("unroll")                                                      \
+            for (int j = 0; j < TT; j++) {                                         \
+                const OVF x = (OVF)(((const float *)&xs[j][i][0])[c]);             \
+                _Pragma("unroll")                                                  \
+                for (int v = 0; v < OUT_VECS; v++)                                 \
+                    acc[v][j] = w[v] * x + acc[v][j];                              \
+            }                                                                      \
+        }
+
+/* y[0, n) (+)= r (+ res[0, n) with RESIDUAL): one vector when n >= OUT_VW (the
+ * last outputs: part of a vector, lane by lane). */
+inline void outer_store(OVF r, __global float *y, const __global float *res, int n)
+{
+    if (n >= OUT_VW) {
+#ifdef RESIDUAL
+        if (res)        /* conv_transpose1d_outer has no residual */
+            r += OV_LD(res);
+#endif
+#ifdef ACCUMULATE
+        r += OV_LD(y);
+#endif
+        OV_ST(r, y);
+        return;
+    }
+    for (int lane = 0; lane < n; lane++) {
+        float e = ((float *)&r)[lane];
+#ifdef RESIDUAL
+        if (res)
+            e += res[lane];
+#endif
+        STORE(y + lane, e);
+    }
+}
+__kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
+                           const __global WTYPE *W, const __global float *bias,
+                           __global float *Y, int y_off, int ldy,
+                           const __global int *x_offsets, const __global int *y_offsets, int S, int T)
+{
+    const int o0 = get_global_id(0) * (OUT_VW * OUT_VECS);
+    T = T < y_offsets[S] ? T : y_offsets[S];
+    if (o0 >= O || T <= 0)
+        return;
+    const int g = get_global_id(1), G1 = get_global_size(1);
+    const int ntiles = (T + TT - 1) / TT;
+    if (g >= ntiles)
+        return;
+
+    /* weights re-laid [k][c][v] so OUT_VW consecutive outputs are one vector */
+    OVF wp[KW][C][OUT_VECS];
+    for (int v = 0; v < OUT_VECS; v++)
+        for (int lane = 0; lane < OUT_VW; lane++) {
+            const int o = o0 + v * OUT_VW + lane < O ? o0 + v * OUT_VW + lane : O - 1;
+            const __global WTYPE *wo = W + (size_t)o * C * KW;
+            for (int c = 0; c < C; c++)
+                for (int k = 0; k < KW; k++)
+                    ((float *)&wp[k][c][v])[lane] = WGET(wo + c * KW + k);
+        }
+    OVF b[OUT_VECS];
+    for (int v = 0; v < OUT_VECS; v++)
+        for (int lane = 0; lane < OUT_VW; lane++) {
+#ifdef HAS_BIAS
+            const int o = o0 + v * OUT_VW + lane;
+            ((float *)&b[v])[lane] = o < O ? bias[o] : 0.0f;
+#else
+            ((float *)&b[v])[lane] = 0.0f;
+#endif
+        }
+
+    int s = 0;
+    VF xs[TT][KW][NCV];
+    for (int tile = g; tile < ntiles; tile += G1) {
+        const int t0 = tile * TT;
+        for (int j = 0; j < TT; j++) {
+            const int t = t0 + j < T ? t0 + j : T - 1;
+            s = conv_seq(y_offsets, S, s, t);
+            const int lo = x_offsets[s], hi = x_offsets[s + 1];
+            const int u = lo + (t - y_offsets[s]) * STRIDE - PAD;
+            for (int k = 0; k < KW; k++) {
+                const int uu = u + k * DILATION;
+                const int ok = uu >= lo && uu < hi;
+                const __global float *xp = X + x_off + (size_t)(ok ? uu : 0) * ldx;
+                for (int cv = 0; cv < NCV; cv++) {
+                    const VF a = ACT(VLOAD(xp + cv * VW));
+                    xs[j][k][cv] = ok ? a : (VF)(0.0f);
+                }
+            }
+        }
+        OVF acc[OUT_VECS][TT];
+        OUTER_PRODUCTS(acc, wp, xs, KW);
+        _Pragma("unroll")
+        for (int j = 0; j < TT; j++) {
+            const int t = t0 + j;
+            if (t >= T)
+                break;
+            _Pragma("unroll")
+            for (int v = 0; v < OUT_VECS; v++) {
+                const int o = o0 + v * OUT_VW;
+                if (o >= O)
+                    break;
+#ifdef RESIDUAL
+                const __global float *res = X + x_off + (size_t)t * ldx + o;
+#else
+                const __global float *res = 0;
+#endif
+                outer_store(acc[v][j] + b[v], Y + y_off + (size_t)t * ldy + o, res, O - o);
+            }
+        }
+    }
+}
+#endif /* O, OUT_VW */
+
 /* ---- conv1d_depthwise ---- */
 __kernel void conv1d_depthwise(const __global float *X, int x_off, int ldx,
                                const __global WTYPE *W, const __global float *bias,
@@ -367,6 +519,7 @@ __kernel void conv1d_depthwise(const __global float *X, int x_off, int ldx,
 /* ---- conv_transpose1d ---- */
 #if defined(O) && DILATION == 1 && PAD >= 0
 #define NTMAX ((KW + STRIDE - 1) / STRIDE)
+#ifndef OUT_VW
 __kernel void conv_transpose1d(const __global float *X, int x_off, int ldx,
                                const __global WTYPE *W, const __global float *bias,
                                __global float *Y, int y_off, int ldy,
@@ -458,4 +611,78 @@ __kernel void conv_transpose1d(const __global float *X, int x_off, int ldx,
         }
     }
 }
+#endif
+
+/* conv_transpose1d's contract as outer products (conv1d_outer's scheme): global =
+ * (ceil(O / (OUT_VW * OUT_VECS)), STRIDE, G1), local = (1, 1, 1). */
+#ifdef OUT_VW
+__kernel void conv_transpose1d_outer(const __global float *X, int x_off, int ldx,
+                                     const __global WTYPE *W, const __global float *bias,
+                                     __global float *Y, int y_off, int ldy,
+                                     const __global int *offsets, int S, int T)
+{
+    const int o0 = get_global_id(0) * (OUT_VW * OUT_VECS);
+    const int rho = get_global_id(1);
+    T = T < offsets[S] ? T : offsets[S];
+    if (o0 >= O || rho >= STRIDE || T <= 0)
+        return;
+    const int g = get_global_id(2), G1 = get_global_size(2);
+    const int ntiles = (T + TT - 1) / TT;
+    if (g >= ntiles)
+        return;
+    const int k0 = (rho + PAD) % STRIDE;
+    const int q0 = (rho + PAD) / STRIDE;
+    const int nt = k0 < KW ? (KW - k0 + STRIDE - 1) / STRIDE : 0;
+
+    OVF wp[NTMAX][C][OUT_VECS];
+    OVF b[OUT_VECS];
+    for (int v = 0; v < OUT_VECS; v++)
+        for (int lane = 0; lane < OUT_VW; lane++) {
+            const int o = o0 + v * OUT_VW + lane < O ? o0 + v * OUT_VW + lane : O - 1;
+            for (int i = 0; i < NTMAX; i++)
+                for (int c = 0; c < C; c++)
+                    ((float *)&wp[i][c][v])[lane] = i < nt ? WGET(W + ((size_t)c * O + o) * KW + k0 + STRIDE * i) : 0.0f;
+#ifdef HAS_BIAS
+            ((float *)&b[v])[lane] = bias[o];
+#else
+            ((float *)&b[v])[lane] = 0.0f;
+#endif
+        }
+
+    int s = 0;
+    VF xs[TT][NTMAX][NCV];
+    for (int tile = g; tile < ntiles; tile += G1) {
+        const int m0 = tile * TT;
+        for (int j = 0; j < TT; j++) {
+            const int m = m0 + j < T ? m0 + j : T - 1;
+            s = conv_seq(offsets, S, s, m);
+            const int lo = offsets[s], hi = offsets[s + 1];
+            for (int i = 0; i < nt; i++) {
+                const int uu = m + q0 - i;
+                const int ok = uu >= lo && uu < hi;
+                const __global float *xp = X + x_off + (size_t)(ok ? uu : 0) * ldx;
+                for (int cv = 0; cv < NCV; cv++) {
+                    const VF a = ACT(VLOAD(xp + cv * VW));
+                    xs[j][i][cv] = ok ? a : (VF)(0.0f);
+                }
+            }
+        }
+        OVF acc[OUT_VECS][TT];
+        OUTER_PRODUCTS(acc, wp, xs, nt);
+        _Pragma("unroll")
+        for (int j = 0; j < TT; j++) {
+            const int m = m0 + j;
+            if (m >= T)
+                break;
+            _Pragma("unroll")
+            for (int v = 0; v < OUT_VECS; v++) {
+                const int o = o0 + v * OUT_VW;
+                if (o >= O)
+                    break;
+                outer_store(acc[v][j] + b[v], Y + y_off + ((size_t)m * STRIDE + rho) * ldy + o, 0, O - o);
+            }
+        }
+    }
+}
+#endif
 #endif /* O, DILATION 1 */

@@ -1225,13 +1225,20 @@ CONV_DIRECT = {
 }
 
 
-@pytest.mark.parametrize("case", list(CONV_DIRECT))
-def test_conv1d_direct(env, case):
-    """conv1d_direct on packed sequences against the float64 loop: bias, fused leaky input
-    (scaled first with X_SCALE), residual, tanh, accumulate, stride, dilation beyond a sequence's length, empty and
-    one-frame sequences, tail outputs and frames, F16 weights, views; any G1, same bits; a T
-    past y_offsets[S] writes nothing more."""
+@pytest.mark.parametrize("case,entry", [(case, entry) for case in CONV_DIRECT for entry in ("conv1d_direct", "conv1d_outer")
+                                        if entry == "conv1d_direct" or not CONV_DIRECT[case][7].get("OUT_TANH")])
+def test_conv1d_direct(env, case, entry):
+    """conv1d_direct, and conv1d_outer (the same contract as outer products over output
+    vectors, OUT_VECS x OUT_VW outputs by 8 frames a tile: a partial last vector when
+    OUT_VW does not divide O), on packed sequences against the float64 loop: bias, fused
+    leaky input (scaled first with X_SCALE), residual, tanh (direct only), accumulate,
+    stride, dilation beyond a sequence's length, empty and one-frame sequences, tail
+    outputs and frames, F16 weights, views; any G1, same bits; a T past y_offsets[S]
+    writes nothing more."""
     c, o, kw, stride, pad, dil, lengths, macros, views = CONV_DIRECT[case]
+    if entry == "conv1d_outer":         # no OUT_TANH: conv_post's one output runs conv1d_direct
+        macros = {k: v for k, v in macros.items() if k not in ("OUTS_PER_ITEM", "FRAMES_PER_ITEM")}
+        macros.update(OUT_VW=16 if o >= 16 else 4, OUT_VECS=2, FRAMES_PER_ITEM=8)
     r = rng(710 + len(case))
     xo = packed_offsets(lengths)
     yo = packed_offsets([(n + 2 * pad - dil * (kw - 1) - 1) // stride + 1 if n else 0 for n in lengths])
@@ -1256,12 +1263,12 @@ def test_conv1d_direct(env, case):
     if macros.get("ACCUMULATE"):
         want = want + y0
     prg = env.build("conv1d", C=c, O=o, KW=kw, STRIDE=stride, PAD=pad, DILATION=dil, **macros)
-    ot = macros.get("OUTS_PER_ITEM", 8)
+    ot = macros["OUT_VW"] * macros["OUT_VECS"] if entry == "conv1d_outer" else macros.get("OUTS_PER_ITEM", 8)
     xb, ob_x, ob_y = conv_in_view(env, x, ldx, x_off), env.buf(xo), env.buf(yo)
     results = []
     for g1 in (1, 3, 64):
         yb = conv_in_view(env, y0, ldy, y_off)
-        env.run(prg.conv1d_direct, (-(-o // ot), g1), (1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev),
+        env.run(getattr(prg, entry), (-(-o // ot), g1), (1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev),
                 env.buf(b), yb, i32(y_off), i32(ldy), ob_x, ob_y, i32(len(lengths)), i32(t_out + 50 * (g1 == 3)))   # a T too large is clamped
         full = env.read(yb, y_off + max(t_out, 1) * ldy)
         got = full[y_off:y_off + t_out * ldy].reshape(t_out, ldy)
@@ -1338,12 +1345,17 @@ CONV_TRANSPOSE = {
 }
 
 
+@pytest.mark.parametrize("entry", ["conv_transpose1d", "conv_transpose1d_outer"])
 @pytest.mark.parametrize("case", list(CONV_TRANSPOSE))
-def test_conv_transpose1d(env, case):
-    """conv_transpose1d: STRIDE * n output frames per sequence equal to PyTorch's when
-    KW - 2*PAD == STRIDE (HiFi-GAN), truncated or bias-extended otherwise; packed sequences
-    (one frame, empty), fused leaky input (scaled first with X_SCALE), F16 weights, tails, views; any G1, same bits."""
+def test_conv_transpose1d(env, case, entry):
+    """conv_transpose1d and conv_transpose1d_outer (outer products, as conv1d_outer): STRIDE * n
+    output frames per sequence equal to PyTorch's when KW - 2*PAD == STRIDE (HiFi-GAN), truncated
+    or bias-extended otherwise; packed sequences (one frame, empty), fused leaky input (scaled
+    first with X_SCALE), F16 weights, tails, views; any G1, same bits."""
     c, o, kw, stride, pad, lengths, macros, views = CONV_TRANSPOSE[case]
+    if entry == "conv_transpose1d_outer":
+        macros = {k: v for k, v in macros.items() if k not in ("OUTS_PER_ITEM", "FRAMES_PER_ITEM")}
+        macros.update(OUT_VW=16 if o >= 16 else 4, OUT_VECS=2, FRAMES_PER_ITEM=8)
     r = rng(730 + len(case))
     offs = packed_offsets(lengths)
     t = int(offs[-1])
@@ -1359,12 +1371,12 @@ def test_conv_transpose1d(env, case):
     if macros.get("ACCUMULATE"):
         want = want + y0
     prg = env.build("conv1d", C=c, O=o, KW=kw, STRIDE=stride, PAD=pad, **macros)
-    ot = macros.get("OUTS_PER_ITEM", 8)
+    ot = macros["OUT_VW"] * macros["OUT_VECS"] if entry == "conv_transpose1d_outer" else macros.get("OUTS_PER_ITEM", 8)
     xb, ob = conv_in_view(env, x, ldx, x_off), env.buf(offs)
     results = []
     for g1 in (1, 2, 64):
         yb = conv_in_view(env, y0, ldy, y_off)
-        env.run(prg.conv_transpose1d, (-(-o // ot), stride, g1), (1, 1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev),
+        env.run(getattr(prg, entry), (-(-o // ot), stride, g1), (1, 1, 1), xb, i32(x_off), i32(ldx), env.buf(wdev),
                 env.buf(b), yb, i32(y_off), i32(ldy), ob, i32(len(lengths)), i32(t + 50 * (g1 == 2)))
         got = env.read(yb, y_off + max(t_out, 1) * ldy)[y_off:y_off + t_out * ldy].reshape(t_out, ldy)
         assert_close(got[:, :o], want, 1e-5)
@@ -1377,7 +1389,8 @@ def test_conv_transpose1d(env, case):
 
 def test_conv_build_errors_and_absent_kernels(env):
     """VW must divide C; conv_transpose1d exists only with DILATION 1; without O only
-    im2col1d and conv1d_depthwise exist."""
+    im2col1d and conv1d_depthwise exist; OUT_VW builds the outer kernels instead of the
+    direct ones, and never with OUT_TANH."""
     with pytest.raises(cl.RuntimeError):
         env.build("conv1d", C=12, O=4, KW=3, VW=8)
     with pytest.raises(cl.LogicError):
@@ -1386,6 +1399,12 @@ def test_conv_build_errors_and_absent_kernels(env):
     prg.conv1d_depthwise
     with pytest.raises(cl.LogicError):
         prg.conv1d_direct
+    outer = env.build("conv1d", C=8, O=4, KW=3, OUT_VW=4)       # OUT_VW: the outer family instead
+    outer.conv1d_outer, outer.conv_transpose1d_outer
+    with pytest.raises(cl.LogicError):
+        outer.conv1d_direct
+    with pytest.raises(cl.RuntimeError):
+        env.build("conv1d", C=8, O=4, KW=3, OUT_VW=4, OUT_TANH=True)
 
 
 def test_hifigan_stage_from_library_kernels(env):
