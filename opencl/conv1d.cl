@@ -82,9 +82,9 @@
  *   OUTS_PER_ITEM (8)     output channels per work-item (conv1d_direct, conv_transpose1d)
  *   FRAMES_PER_ITEM (1)   frames per register tile (all three): OUTS_PER_ITEM x
  *                         FRAMES_PER_ITEM accumulators of VW floats; keep it <= ~12
- *                         vectors (16 ymm on the CPUs here). 8 x 1 was fastest for
- *                         32 channels on both CPU drivers (opencl/README.md); with
- *                         O = 1 (HiFi-GAN's conv_post) use 1 x 8.
+ *                         vectors (16 ymm on the CPUs here). conv1d_direct is the
+ *                         kernel for one or a few outputs (HiFi-GAN's conv_post: 1 x 8);
+ *                         conv1d_outer is faster from 16 outputs up (opencl/README.md).
  *
  * Launch (G1 >= 1 free: work-item (i, g) runs frame tiles g, g + G1, ... so each
  * work-item widens its weights once and reuses them for ~T / (FRAMES_PER_ITEM*G1)
@@ -98,7 +98,10 @@
  * picks groups of thousands of items, allocates every item's private weight copy at
  * once and overflows its stack (a segfault at the first enqueue, seen at C = 192).
  * Each work-item keeps its widened weights in private memory:
- * OUTS_PER_ITEM * KW * C floats (conv_transpose1d: OUTS_PER_ITEM * ceil(KW/STRIDE) * C);
+ * OUTS_PER_ITEM * KW * C floats (conv_transpose1d: OUTS_PER_ITEM * ceil(KW/STRIDE) * C),
+ * and conv1d_direct a tile's input rows, activated once for all its taps:
+ * ((FRAMES_PER_ITEM - 1) * STRIDE + (KW - 1) * DILATION + 1) * C floats (its tiles
+ * never straddle two sequences, so those rows are one contiguous run);
  * e.g. 4 * 7 * 192 = 21 KB for HiFi-GAN's conv_pre. For much larger C * KW
  * (a 768-channel k3 FFN conv: 36 KB) lower OUTS_PER_ITEM or use im2col1d + matmul.
  * Tail outputs (O not a multiple of OUTS_PER_ITEM) recompute channel O-1 and skip the
@@ -206,6 +209,7 @@ inline int conv_seq(const __global int *offs, int S, int s, int t)
 
 /* ---- conv1d_direct (built without OUT_VW) ---- */
 #if defined(O) && !defined(OUT_VW)
+#define ROWS ((TT - 1) * STRIDE + (KW - 1) * DILATION + 1)     /* input rows a tile of TT frames reads */
 __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
                             const __global WTYPE *W, const __global float *bias,
                             __global float *Y, int y_off, int ldy,
@@ -216,9 +220,6 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
     if (o0 >= O || T <= 0)
         return;
     const int g = get_global_id(1), G1 = get_global_size(1);
-    const int ntiles = (T + TT - 1) / TT;
-    if (g >= ntiles)
-        return;
 
     /* this item's weights, widened and re-laid [r][k][c] so a VW-run of c is one vector */
     VF wp[OT][KW][NCV];
@@ -230,75 +231,69 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
                 ((float *)&wp[r][k][0])[c] = WGET(wo + c * KW + k);
     }
 
-    int s = 0;
-    for (int tile = g; tile < ntiles; tile += G1) {
-        const int t0 = tile * TT;
-        int u[TT], lo[TT], hi[TT];
-        _Pragma("unroll")
-        for (int j = 0; j < TT; j++) {
-            const int t = t0 + j < T ? t0 + j : T - 1;
-            s = conv_seq(y_offsets, S, s, t);
-            lo[j] = x_offsets[s];
-            hi[j] = x_offsets[s + 1];
-            u[j] = lo[j] + (t - y_offsets[s]) * STRIDE - PAD;
-        }
-        VF acc[OT][TT];
-        _Pragma("unroll")
-        for (int r = 0; r < OT; r++)
+    /* Tiles never straddle sequences: the partition's tiles are each sequence's
+     * ceil(frames / TT) in order, and item g takes tiles g, g + G1, ... of them. */
+    int q0 = 0;                                   /* tiles of the sequences before s */
+    for (int s = 0; s < S; s++) {
+        const int ylo = y_offsets[s], n = (y_offsets[s + 1] < T ? y_offsets[s + 1] : T) - ylo;
+        if (n <= 0)
+            continue;
+        const int lo = x_offsets[s], hi = x_offsets[s + 1], nt = (n + TT - 1) / TT;
+        for (int q = q0 + (g - q0 % G1 + G1) % G1; q < q0 + nt; q += G1) {
+            const int j0 = (q - q0) * TT, u0 = lo + j0 * STRIDE - PAD;
+            /* the tile's input rows, activated once, zero outside the sequence */
+            VF win[ROWS][NCV];
+            for (int r = 0; r < ROWS; r++) {
+                const int u = u0 + r;
+                const int ok = u >= lo && u < hi;
+                const __global float *xp = X + x_off + (size_t)(ok ? u : 0) * ldx;   /* row 0: a safe address */
+                for (int cv = 0; cv < NCV; cv++) {
+                    const VF v = VLOAD(xp + cv * VW);
+                    win[r][cv] = ok ? ACT(v) : (VF)(0.0f);
+                }
+            }
+            VF acc[OT][TT];
             _Pragma("unroll")
-            for (int j = 0; j < TT; j++)
-                acc[r][j] = (VF)(0.0f);
-        _Pragma("unroll")
-        for (int k = 0; k < KW; k++) {
-            const __global float *xp[TT];
-            int ok[TT];
+            for (int r = 0; r < OT; r++)
+                _Pragma("unroll")
+                for (int j = 0; j < TT; j++)
+                    acc[r][j] = (VF)(0.0f);
+            _Pragma("unroll")
+            for (int k = 0; k < KW; k++)
+                for (int cv = 0; cv < NCV; cv++)
+                    _Pragma("unroll")
+                    for (int r = 0; r < OT; r++) {
+                        const VF w = wp[r][k][cv];
+                        _Pragma("unroll")
+                        for (int j = 0; j < TT; j++)
+                            acc[r][j] = w * win[j * STRIDE + k * DILATION][cv] + acc[r][j];
+                    }
             _Pragma("unroll")
             for (int j = 0; j < TT; j++) {
-                const int uu = u[j] + k * DILATION;
-                ok[j] = uu >= lo[j] && uu < hi[j];
-                xp[j] = X + x_off + (size_t)(ok[j] ? uu : 0) * ldx;   /* row 0: a safe address to load */
-            }
-            for (int cv = 0; cv < NCV; cv++) {
-                VF xv[TT];
-                _Pragma("unroll")
-                for (int j = 0; j < TT; j++) {
-                    const VF v = VLOAD(xp[j] + cv * VW);
-                    const VF a = ACT(v);
-                    xv[j] = ok[j] ? a : (VF)(0.0f);
-                }
+                if (j0 + j >= n)
+                    break;
+                const int t = ylo + j0 + j;
+                __global float *yrow = Y + y_off + (size_t)t * ldy;
                 _Pragma("unroll")
                 for (int r = 0; r < OT; r++) {
-                    const VF w = wp[r][k][cv];
-                    _Pragma("unroll")
-                    for (int j = 0; j < TT; j++)
-                        acc[r][j] = w * xv[j] + acc[r][j];
+                    const int o = o0 + r;
+                    if (o >= O)
+                        break;
+                    float v = VHSUM(acc[r][j]);
+#ifdef HAS_BIAS
+                    v += bias[o];
+#endif
+#ifdef RESIDUAL
+                    v += X[x_off + (size_t)t * ldx + o];
+#endif
+#ifdef OUT_TANH
+                    v = loom_tanh(v);
+#endif
+                    STORE(yrow + o, v);
                 }
             }
         }
-        _Pragma("unroll")
-        for (int j = 0; j < TT; j++) {
-            const int t = t0 + j;
-            if (t >= T)
-                break;
-            __global float *yrow = Y + y_off + (size_t)t * ldy;
-            _Pragma("unroll")
-            for (int r = 0; r < OT; r++) {
-                const int o = o0 + r;
-                if (o >= O)
-                    break;
-                float v = VHSUM(acc[r][j]);
-#ifdef HAS_BIAS
-                v += bias[o];
-#endif
-#ifdef RESIDUAL
-                v += X[x_off + (size_t)t * ldx + o];
-#endif
-#ifdef OUT_TANH
-                v = loom_tanh(v);
-#endif
-                STORE(yrow + o, v);
-            }
-        }
+        q0 += nt;
     }
 }
 #endif /* O */
