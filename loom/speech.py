@@ -14,8 +14,9 @@ The decoder runs over windows of a sentence's latent frames, each widened by
 the package's CONTEXT frames on both sides and cut back to its own samples,
 which then equal a decode of the whole sentence: a request's first window is
 short (FIRST_WINDOW frames, about a third of a second), so its audio starts
-before its first sentence is vocoded; later ones are long (WINDOW), so the
-context adds little work, and they bound the decoder's memory per step.
+before its first sentence is vocoded; later ones are as long as a vocode step
+allows (VOCODE_FRAMES with their context), so the context adds little work,
+and they bound the decoder's memory per step.
 
 The stage contract (kind speech): specs STATS (encoder stats per phoneme),
 INTER (latent channels), HOP (samples per frame), CONTEXT (latent frames of
@@ -51,7 +52,6 @@ INPUT_CHARS = 4096
 SENTENCE_IDS = 1024        # phoneme ids per sentence (a longer one is refused, never cut)
 BATCH = 8                  # sentences per step
 FIRST_WINDOW = 32          # latent frames of a request's first vocode window (0.37 s at 22050 Hz, hop 256)
-WINDOW = 256               # latent frames of every later window
 VOCODE_FRAMES = 320        # latent frames (context included) per vocode step: its activations stay in cache
 ENCODED_FORMATS = ("mp3", "opus", "aac", "flac", "wav")
 
@@ -110,6 +110,9 @@ class Voice(kinds.Derived):
             dict(config.get("speaker_id_map") or {}) or {"default": 0})
         self.hop, self.stats, self.inter = prepared.spec("HOP"), prepared.spec("STATS"), prepared.spec("INTER")
         self.context = prepared.spec("CONTEXT")
+        if not 0 <= self.context < VOCODE_FRAMES // 4:
+            raise Problem(f"CONTEXT {self.context}: a vocode window's context must be 0 to {VOCODE_FRAMES // 4 - 1} "
+                          "latent frames a side", "contract")
 
 
 class Job(kinds.Job):
@@ -169,14 +172,20 @@ class Job(kinds.Job):
             self.finish()
 
 
-def windows(frames, first):
-    """The vocode windows [a, b) of a sentence of `frames` latent frames; `first`: it opens its request."""
-    cuts = [0]
-    if first and frames > FIRST_WINDOW:
-        cuts.append(FIRST_WINDOW)
-    while frames - cuts[-1] > WINDOW:
-        cuts.append(cuts[-1] + WINDOW)
-    return list(zip(cuts, cuts[1:] + [frames]))
+def windows(frames, first, context):
+    """The vocode windows [a, b) of a sentence of `frames` latent frames; `first`: it opens its request.
+
+    After the short first window, the rest goes in the fewest even windows whose frames
+    with their context fit a vocode step: each frame of context is decoded twice, and a
+    short last window runs below a long one's rate."""
+    start = FIRST_WINDOW if first and frames > FIRST_WINDOW else 0
+    rest, n = frames - start, 1
+    while True:
+        cuts = [0] * (start > 0) + [start + rest * i // n for i in range(n + 1)]
+        spans = list(zip(cuts, cuts[1:]))
+        if all(min(frames, b + context) - max(0, a - context) <= VOCODE_FRAMES for a, b in spans[start > 0:]):
+            return spans
+        n += 1
 
 
 class Sentence:
@@ -320,7 +329,7 @@ class Engine(CohortEngine):
             z = values["z"].reshape(len(work), F, voice.inter)
             for i, s in enumerate(work):
                 s.z = z[i, :int(s.durations.sum())]
-                s.windows = windows(len(s.z), s.index == 0)
+                s.windows = windows(len(s.z), s.index == 0, voice.context)
                 s.state = "vocode"
         else:
             samples = values["audio"]

@@ -196,3 +196,32 @@ def test_backlog_counts_only_requests_that_have_not_had_a_step():
     assert engine.backlog() == 2
     engine.jobs.clear()
     assert engine.backlog() == 0
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("context", [0, 11, 40])
+def test_vocode_windows_cover_the_sentence_in_the_fewest_steps(first, context):
+    """windows(): contiguous cuts over [0, frames); a request's first sentence opens with the
+    short FIRST_WINDOW; every later window fits one vocode step with its context, and one
+    window fewer (split evenly) would not."""
+    from loom import speech as engine_module
+    fit = engine_module.VOCODE_FRAMES
+
+    def spans(frames, cuts):
+        return [min(frames, b + context) - max(0, a - context) for a, b in cuts]
+
+    for frames in list(range(1, 700)) + [1023, 4096]:
+        cuts = engine_module.windows(frames, first, context)
+        assert cuts[0][0] == 0 and cuts[-1][1] == frames
+        assert all(a < b for a, b in cuts) and all(p[1] == q[0] for p, q in zip(cuts, cuts[1:]))
+        lead = first and frames > engine_module.FIRST_WINDOW
+        if lead:
+            assert cuts[0] == (0, engine_module.FIRST_WINDOW)
+        rest = cuts[lead:]
+        assert max(spans(frames, rest)) <= fit
+        sizes = [b - a for a, b in rest]
+        assert max(sizes) - min(sizes) <= 1
+        if len(rest) > 1:
+            start, n = rest[0][0], len(rest) - 1
+            fewer = [start + (frames - start) * i // n for i in range(n + 1)]
+            assert max(spans(frames, list(zip(fewer, fewer[1:])))) > fit

@@ -245,11 +245,11 @@ def test_vocode_windows_with_context_equal_the_whole_decode(prepared):
     the whole sentence decoded at once; with a frame less of context, or none, they would not."""
     from loom import speech
     rng = np.random.default_rng(7)
-    z = (rng.standard_normal((300, prepared.spec("INTER"))) * 2).astype(np.float32)
+    z = (rng.standard_normal((400, prepared.spec("INTER"))) * 2).astype(np.float32)
     [whole] = vocode_windows(prepared, z, [(0, len(z))])
-    cuts = speech.windows(len(z), True)
-    assert cuts == [(0, 32), (32, 288), (288, 300)]
     context = prepared.spec("CONTEXT")
+    cuts = speech.windows(len(z), True, context)
+    assert cuts == [(0, 32), (32, 216), (216, 400)]
     for context, exact in ((context, True), (context - 1, False), (0, False)):
         spans = [(max(0, a - context), min(len(z), b + context)) for a, b in cuts]
         parts = vocode_windows(prepared, z, spans)
