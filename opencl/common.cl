@@ -93,6 +93,13 @@ inline float loom_erf(float x)
     float y = 1.0f - p * loom_exp(-a * a);
     return x < 0.0f ? -y : y;
 }
+inline float8 loom_erf8(float8 x)
+{
+    float8 a = fabs(x);
+    float8 t = 1.0f / (1.0f + 0.3275911f * a);
+    float8 p = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t;
+    return copysign(1.0f - p * loom_exp8(-a * a), x);
+}
 
 /* tanh, Cephes tanhf (~2 ulp): an odd polynomial for |x| <= 0.625 (no
  * cancellation near 0), 1 - 2 / (exp(2|x|) + 1) above (exactly +-1 from
@@ -113,6 +120,7 @@ inline float loom_tanh(float x)
 #define loom_exp(x) exp(x)
 #define loom_exp8(x) exp(x)
 #define loom_erf(x) erf(x)
+#define loom_erf8(x) erf(x)
 #define loom_tanh(x) tanh(x)
 #endif
 

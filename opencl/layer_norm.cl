@@ -4,11 +4,13 @@
  *     const __global float *X,    X[T, D] row-major
  *     const __global float *w,    w[D]; read only with HAS_WEIGHT (else may be NULL)
  *     const __global float *b,    b[D]; read only with HAS_BIAS (else may be NULL)
- *     __global float *Y,          Y[T, D]; Y == X (in place) is allowed
+ *     __global float *Y,          Y[T, D]; Y == X (in place) is allowed, not with ACCUMULATE
  *     int T,                      rows
  *     float eps)
  *
- * Macros: D (required); HAS_WEIGHT; HAS_BIAS; WG (1) lanes per row.
+ * Macros: D (required); HAS_WEIGHT; HAS_BIAS; WG (1) lanes per row;
+ *   OUT_GELU: Y = gelu(...) (erf form, elementwise.cl's), ACCUMULATE: Y += ...
+ *   (VITS's DDSConv: x += gelu(LN(conv(y))) in one pass, no gelu or add launch).
  * Launch: global = (WG, T), local = (WG, 1).
  * The variance is the biased one (divide by D), computed in a second pass
  * over (x - mean) rather than as E[x^2] - mean^2, which cancels badly.
@@ -22,6 +24,21 @@
 #endif
 
 #define D8 (D / 8 * 8)
+
+#ifdef OUT_GELU
+inline float ln_out(float v) { return 0.5f * v * (1.0f + loom_erf(v * 0.70710678118f)); }
+inline float8 ln_out8(float8 v) { return 0.5f * v * (1.0f + loom_erf8(v * 0.70710678118f)); }
+#else
+#define ln_out(v) (v)
+#define ln_out8(v) (v)
+#endif
+#ifdef ACCUMULATE
+#define LN_ST8(v, p) loom_st_float8(loom_ld_float8(p) + (v), p)
+#define LN_ST(v, p) (*(p) += (v))
+#else
+#define LN_ST8(v, p) loom_st_float8(v, p)
+#define LN_ST(v, p) (*(p) = (v))
+#endif
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void layer_norm(const __global float *X, const __global float *w, const __global float *b,
@@ -68,7 +85,7 @@ void layer_norm(const __global float *X, const __global float *w, const __global
 #ifdef HAS_BIAS
         v += loom_ld_float8(b + i);
 #endif
-        loom_st_float8(v, y + i);
+        LN_ST8(ln_out8(v), y + i);
     }
     for (int i = D8 + lane; i < D; i += WG) {
         float v = (x[i] - mean) * inv;
@@ -78,6 +95,6 @@ void layer_norm(const __global float *X, const __global float *w, const __global
 #ifdef HAS_BIAS
         v += b[i];
 #endif
-        y[i] = v;
+        LN_ST(ln_out(v), y + i);
     }
 }

@@ -564,6 +564,28 @@ def test_layer_norm(env, d, wg):
     assert_close(env.read(xb, (t, d)), ref, 1e-5)
 
 
+@pytest.mark.parametrize("d,wg,accumulate", [(192, 1, True), (37, 8, True), (40, 1, False)])
+def test_layer_norm_gelu_out(env, d, wg, accumulate):
+    """OUT_GELU (erf form) on the affine result, and ACCUMULATE adding it to Y (VITS's
+    DDSConv residual: x += gelu(LN(u)))."""
+    from math import erf
+    prg = env.build("layer_norm", D=d, WG=wg, HAS_WEIGHT=True, HAS_BIAS=True, OUT_GELU=True,
+                    **({"ACCUMULATE": True} if accumulate else {}))
+    r = rng(d + 7)
+    t, eps = 29, 1e-5
+    x = (r.standard_normal((t, d)) * 3 + 1).astype(np.float32)
+    w = r.standard_normal(d).astype(np.float32)
+    b = r.standard_normal(d).astype(np.float32)
+    y0 = r.standard_normal((t, d)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mu = x64.mean(axis=1, keepdims=True)
+    v = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(axis=1, keepdims=True) + eps) * w + b
+    ref = 0.5 * v * (1 + np.vectorize(erf)(v / np.sqrt(2))) + (y0 if accumulate else 0)
+    yb = env.buf(y0)
+    env.run(prg.layer_norm, (wg, t), (wg, 1), env.buf(x), env.buf(w), env.buf(b), yb, i32(t), f32(eps))
+    assert_close(env.read(yb, (t, d)), ref, 1e-5)
+
+
 def test_layer_norm_without_affine(env):
     d, t = 64, 2
     prg = env.build("layer_norm", D=d)
