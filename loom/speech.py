@@ -125,6 +125,7 @@ class Job(kinds.Job):
         self.sentences = []
         self.next = 0               # the sentence the engine works on
         self.stream = None
+        self.audible = False        # some of its audio has gone out
         self.resampler = audio.Resampler(self.voice.rate, OUTPUT_RATE, 1)
 
     def run(self):
@@ -167,6 +168,7 @@ class Job(kinds.Job):
             out = np.concatenate([out, self.resampler.flush()])
         pcm = np.clip(np.round(out[:, 0] * 32767.0), -32768, 32767).astype("<i2").tobytes()
         self.stream.send(pcm)
+        self.audible = True
         if last:
             self.stream.finish()
             self.finish()
@@ -242,10 +244,12 @@ class Engine(CohortEngine):
         phases = ("encode", "latents", "vocode")
         for i in range(len(phases)):
             phase = phases[(self.turn + i) % len(phases)]
-            work = [job.current for job in self.jobs
-                    if job.current.state == phase and job.stream.ready][:BATCH]
+            work = [job.current for job in self.jobs if job.current.state == phase and job.stream.ready]
             if phase == "vocode":
-                work = self._within_budget(work)
+                # requests still waiting for their first audio go first: their short first
+                # windows share a step instead of queueing behind other requests' long ones
+                work = self._within_budget(sorted(work, key=lambda s: s.job.audible)[:BATCH])
+            work = work[:BATCH]
             if work:
                 self.turn = (self.turn + i + 1) % len(phases)
                 self.requests += len(work)

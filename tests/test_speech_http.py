@@ -225,3 +225,28 @@ def test_vocode_windows_cover_the_sentence_in_the_fewest_steps(first, context):
             start, n = rest[0][0], len(rest) - 1
             fewer = [start + (frames - start) * i // n for i in range(n + 1)]
             assert max(spans(frames, list(zip(fewer, fewer[1:])))) > fit
+
+
+def test_requests_waiting_for_first_audio_take_the_vocode_step_first():
+    """A vocode step takes the short first windows of requests that have no audio yet
+    before another request's long window, which would fill the step alone (unit level)."""
+    from collections import deque
+    from types import SimpleNamespace as NS
+    from loom import speech as engine_module
+
+    def sentence(audible, frames):
+        s = NS(state="vocode", span=lambda: (0, frames, 0, frames))
+        s.job = NS(current=s, audible=audible, gone=False, finished=False, stream=NS(ready=True))
+        return s
+    engine = engine_module.Engine.__new__(engine_module.Engine)
+    engine.turn, engine.requests = 2, 0
+    talking = sentence(True, 299)
+    waiting = [sentence(False, 43) for _ in range(3)]
+    engine.jobs = deque(s.job for s in [talking] + waiting)
+    phase, work = engine.form()
+    assert phase == "vocode" and work == waiting
+    assert talking.state == "vocode" and all(s.state == "vocode-running" for s in waiting)
+    for s in waiting:
+        s.job.audible, s.state = True, "vocode"
+    _, work = engine.form()
+    assert work[0] is talking and sum(s.span()[3] for s in work) <= engine_module.VOCODE_FRAMES
