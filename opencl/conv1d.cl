@@ -309,7 +309,11 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
  * stages its inputs, activated and zeroed outside their sequence, [frame][tap][channel]
  * in private memory (VW-wide). Private memory per item: KW * C * OUT_VECS * OUT_VW
  * floats of weights (32 KB at C = 192, KW = 7, 2 x 16) and TT * KW * C of inputs.
- * Conv1d_direct stays the kernel for one or a few outputs (conv_post). */
+ * Conv1d_direct stays the kernel for one or a few outputs (conv_post).
+ * GATE=H (conv1d_outer only; O = 2H, OUT_VECS 2, H a multiple of OUT_VW): WaveNet's
+ * gate fused into the store, Y[t, o] = tanh(v[o]) * sigmoid(v[H + o]) for o < H
+ * (VITS's flows: the conv's [T, 2H] result is never stored); item i holds outputs
+ * i*OUT_VW.. and H + i*OUT_VW..; global = (H / OUT_VW, G1); no RESIDUAL or ACCUMULATE. */
 #if defined(O) && defined(OUT_VW)
 #ifdef OUT_TANH
 #error "conv1d.cl: conv1d_outer has no OUT_TANH"
@@ -323,6 +327,18 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
 #define OVF LOOM_CAT(float, OUT_VW)
 #define OV_LD(p) LOOM_CAT(loom_ld_float, OUT_VW)(p)
 #define OV_ST(v, p) LOOM_CAT(loom_st_float, OUT_VW)(v, p)
+#ifdef GATE
+#if OUT_VECS != 2 || O != 2 * (GATE) || (GATE) % OUT_VW != 0 || defined(RESIDUAL) || defined(ACCUMULATE)
+#error "conv1d.cl: GATE=H needs O = 2H, OUT_VECS 2, OUT_VW dividing H, no RESIDUAL or ACCUMULATE"
+#endif
+#define OSTEP (GATE)                    /* between an item's output vectors */
+#define OITEM OUT_VW                    /* outputs per item along dimension 0 */
+#define OLIMIT (GATE)
+#else
+#define OSTEP OUT_VW
+#define OITEM (OUT_VW * OUT_VECS)
+#define OLIMIT O
+#endif
 
 /* acc[v][j] = sum over taps i < NTAPS and channels c of wp[i][c][v] * xs[j][i][c], the
  * input broadcast: OUT_VECS FMAs per input, each channel's weights loaded once a tile. */
@@ -376,9 +392,9 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
                            __global float *Y, int y_off, int ldy,
                            const __global int *x_offsets, const __global int *y_offsets, int S, int T)
 {
-    const int o0 = get_global_id(0) * (OUT_VW * OUT_VECS);
+    const int o0 = get_global_id(0) * OITEM;
     T = T < y_offsets[S] ? T : y_offsets[S];
-    if (o0 >= O || T <= 0)
+    if (o0 >= OLIMIT || T <= 0)
         return;
     const int g = get_global_id(1), G1 = get_global_size(1);
     const int ntiles = (T + TT - 1) / TT;
@@ -389,7 +405,7 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
     OVF wp[KW][C][OUT_VECS];
     for (int v = 0; v < OUT_VECS; v++)
         for (int lane = 0; lane < OUT_VW; lane++) {
-            const int o = o0 + v * OUT_VW + lane < O ? o0 + v * OUT_VW + lane : O - 1;
+            const int o = o0 + v * OSTEP + lane < O ? o0 + v * OSTEP + lane : O - 1;
             const __global WTYPE *wo = W + (size_t)o * C * KW;
             for (int c = 0; c < C; c++)
                 for (int k = 0; k < KW; k++)
@@ -399,7 +415,7 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
     for (int v = 0; v < OUT_VECS; v++)
         for (int lane = 0; lane < OUT_VW; lane++) {
 #ifdef HAS_BIAS
-            const int o = o0 + v * OUT_VW + lane;
+            const int o = o0 + v * OSTEP + lane;
             ((float *)&b[v])[lane] = o < O ? bias[o] : 0.0f;
 #else
             ((float *)&b[v])[lane] = 0.0f;
@@ -432,6 +448,11 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
             const int t = t0 + j;
             if (t >= T)
                 break;
+#ifdef GATE
+            const OVF u = acc[0][j] + b[0], z = acc[1][j] + b[1];
+            OV_ST(tanh(u) * ((OVF)(1.0f) / ((OVF)(1.0f) + exp(-z))), Y + y_off + (size_t)t * ldy + o0);
+            continue;
+#endif
             _Pragma("unroll")
             for (int v = 0; v < OUT_VECS; v++) {
                 const int o = o0 + v * OUT_VW;

@@ -1302,6 +1302,41 @@ def test_conv1d_direct(env, case, entry):
         np.testing.assert_array_equal(other, results[0])
 
 
+@pytest.mark.parametrize("c,h,kw,dil,lengths,kind", [(192, 192, 5, 1, [9, 17], "F32"),
+                                                      (8, 32, 3, 2, [5, 0, 12], "F16")])
+def test_conv1d_outer_gate(env, c, h, kw, dil, lengths, kind):
+    """conv1d_outer with GATE=H stores WaveNet's gate of its 2H outputs, tanh of the first
+    half times sigmoid of the second (VITS's flows), into a view of Y: packed sequences,
+    F16 weights, any G1 the same bits; the build refuses a GATE it cannot honour."""
+    r = rng(c + h + kw)
+    pad = dil * (kw - 1) // 2
+    xo = packed_offsets(lengths)
+    t = int(xo[-1])
+    x = r.standard_normal((t, c)).astype(np.float32)
+    w = (r.standard_normal((2 * h, c, kw)) / np.sqrt(c * kw)).astype(np.float32)
+    b = r.standard_normal(2 * h).astype(np.float32)
+    wdev, w64 = make_weights(kind, w)
+    v = conv1d_ref(x, w64, b, xo, xo, 1, pad, dil, None)
+    want = np.tanh(v[:, :h]) / (1 + np.exp(-v[:, h:]))
+    prg = env.build("conv1d", C=c, O=2 * h, KW=kw, PAD=pad, DILATION=dil, HAS_BIAS=True, OUT_VW=16, OUT_VECS=2,
+                    FRAMES_PER_ITEM=8, GATE=h, **{f"WEIGHT_{kind}": True})
+    ldy = h + 5
+    ob = env.buf(xo)
+    results = []
+    for g1 in (1, 3):
+        y0 = np.full((max(t, 1), ldy), 7.0, np.float32)
+        yb = env.buf(y0)
+        env.run(prg.conv1d_outer, (h // 16, g1), (1, 1), env.buf(x), i32(0), i32(c), env.buf(wdev), env.buf(b), yb,
+                i32(0), i32(ldy), ob, ob, i32(len(lengths)), i32(t))
+        got = env.read(yb, (max(t, 1), ldy))[:t]
+        assert_close(got[:, :h], want, 1e-5)
+        assert np.all(got[:, h:] == 7.0)          # the view's other columns untouched
+        results.append(got)
+    np.testing.assert_array_equal(results[0], results[1])
+    with pytest.raises(Exception, match="GATE"):
+        env.build("conv1d", C=c, O=2 * h + 16, KW=kw, OUT_VW=16, GATE=h)
+
+
 def conv_in_view_ref(x, ldx, x_off):
     t, c = x.shape
     buf = rng(1).standard_normal(x_off + max(t, 1) * ldx).astype(np.float32) * 1e3
