@@ -248,7 +248,7 @@ class Engine(CohortEngine):
             if phase == "vocode":
                 # requests still waiting for their first audio go first: their short first
                 # windows share a step instead of queueing behind other requests' long ones
-                work = self._within_budget(sorted(work, key=lambda s: s.job.audible)[:BATCH])
+                work = self._within_budget(sorted(work, key=lambda s: s.job.audible))
             work = work[:BATCH]
             if work:
                 self.turn = (self.turn + i + 1) % len(phases)
