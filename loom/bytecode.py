@@ -29,8 +29,10 @@ from .language import (ARG_TYPES, DTYPES, KINDS, Command, Kernel, KernelArg, Loo
                        State, check)
 
 MAGIC = b"\x7fLOOMBC\n"
-FORMAT_VERSION = 2      # 2: kernel records carry `let` bindings; version 1 files (no lets) still read
-READABLE_VERSIONS = (1, 2)
+# 2: kernel records carry `let` bindings; 3: param records end with an optional tiled(axis, width).
+# Older files (without them) still read.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 NONE = 0xFFFFFFFF
 
 STRINGS, CONSTS, MODULE, SPECS, PARAMS, STATES, KERNELS, COMMANDS, POLICY = range(1, 10)
@@ -106,6 +108,7 @@ def write(module):
         + u8(len(p.dims)) + b"".join(w.code(d) for d in p.dims)
         + u8(len(p.sources)) + b"".join(w.s(src) for src in p.sources)
         + (u8(1) + w.code(p.when) if p.when is not None else u8(0))
+        + (u8(1) + w.code(p.tiled[0]) + w.code(p.tiled[1]) if p.tiled is not None else u8(0))
         for p in module.params)
     sections[STATES] = u32(len(module.states)) + b"".join(
         w.s(s.name) + u8(DTYPES.index(s.dtype)) + (u8(1) + w.code(s.page) if s.page is not None else u8(0))
@@ -330,9 +333,10 @@ def read(data, source=None, checked=True):
         dims = [c.code() for _ in range(c.u8())]
         sources = [c.s() for _ in range(c.u8())]
         when = c.code() if c.flag() else None
+        tiled = (c.code(), c.code()) if version >= 3 and c.flag() else None
         if not dims or not sources:
             c.fail(f"param {name!r} needs dimensions and a source")
-        module.params.append(Param(name, count, dtype, dims, sources, when))
+        module.params.append(Param(name, count, dtype, dims, sources, when, tiled))
     c.done()
     c = cursor(STATES)
     for _ in range(c.count(8, "state")):
@@ -416,7 +420,8 @@ def disassemble(module):
         count = f"[{expr_text(p.count)}]" if p.count else ""
         dims = ", ".join(expr_text(d) for d in p.dims)
         when = f" when {expr_text(p.when)}" if p.when else ""
-        out.append(f"  {p.name}{count} {p.dtype}[{dims}] <- {' | '.join(p.sources)}{when}")
+        tiled = f" tiled({expr_text(p.tiled[0])}, {expr_text(p.tiled[1])})" if p.tiled else ""
+        out.append(f"  {p.name}{count} {p.dtype}[{dims}] <- {' | '.join(p.sources)}{tiled}{when}")
     out.append(f"\nstates ({len(module.states)})")
     for s in module.states:
         page = f" paged({expr_text(s.page)})" if s.page else ""

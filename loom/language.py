@@ -55,6 +55,7 @@ BUILTINS = {
     "has": 1,         # has("tensor"): whether the checkpoint holds it
     "count": 1,       # count("blk.{i}.x"): layers present, i = 0, 1, ... while the name exists
     "dtype": 1,       # dtype(x): a weight's storage type as a string ("F32", "Q8_0", ...)
+    "tiles": 1,       # tiles(w): the tile width of a param declared tiled(axis, width), else 0
     "pages": 1,       # pages(state): pages in a paged state pool
     "present": 1,     # present(w[l]): whether a param (layer) exists in this checkpoint
     "dim": 2,         # dim(w[l], axis): a param's dimension (what a "?" in its shape bound)
@@ -118,6 +119,7 @@ class Param:
     dims: list                  # code per dimension; ANY_DIM takes the tensor's own size
     sources: list               # tensor name patterns ({EXPR} placeholders) or, prefixed "=", another param
     when: list | None = None    # code for a condition: the param exists only where it holds
+    tiled: tuple | None = None  # (axis code, width code): the device holds it in tiles along axis
 
 
 @dataclass
@@ -185,7 +187,7 @@ TOKEN = re.compile(r"""
 
 KEYWORDS = {"module", "kind", "spec", "param", "state", "kernel", "command", "policy", "let", "scratch",
             "for", "in", "if", "else", "and", "or", "not", "from", "source", "entry", "defines", "grid",
-            "local", "paged", "flag", "true", "false", "args", "when"}
+            "local", "paged", "flag", "true", "false", "args", "when", "tiled"}
 
 
 @dataclass
@@ -319,8 +321,15 @@ class Parser:
         sources = [self.source_ref()]
         while self.accept("|"):
             sources.append(self.source_ref())
+        tiled = None
+        if self.accept("tiled"):
+            self.expect("(")
+            axis = self.expr()
+            self.expect(",")
+            tiled = (axis, self.expr())
+            self.expect(")")
         when = self.expr() if self.accept("when") else None
-        self.declare(module, "params", Param(name, count, dtype, dims, sources, when), tok)
+        self.declare(module, "params", Param(name, count, dtype, dims, sources, when, tiled), tok)
 
     def source_ref(self):
         if self.peek().kind == "name":
@@ -665,6 +674,11 @@ def check(module, source=None):
                 _check_expr(dim, layer, f"param {p.name}", fail)
         if p.when is not None:      # may test present() of a param declared above
             _check_expr(p.when, layer | declared, f"param {p.name}", fail)
+        if p.tiled is not None:
+            if p.dtype not in ("f32", "f16"):
+                fail(f"param {p.name}: tiled() needs dtype f32 or f16, not {p.dtype}")
+            for code in p.tiled:
+                _check_expr(code, layer, f"param {p.name}", fail)
         declared.add(p.name)
         for src in p.sources:
             if src.startswith("=") and src[1:] not in params:
@@ -898,7 +912,8 @@ def format_module(module):
         sources = " | ".join(src[1:] if src.startswith("=") else json.dumps(src, ensure_ascii=False)
                              for src in p.sources)
         when = f" when {expr_text(p.when)}" if p.when is not None else ""
-        out.append(f"param {p.name}{count} : {p.dtype} {_dims_text(p.dims)} = {sources}{when}")
+        tiled = f" tiled({expr_text(p.tiled[0])}, {expr_text(p.tiled[1])})" if p.tiled is not None else ""
+        out.append(f"param {p.name}{count} : {p.dtype} {_dims_text(p.dims)} = {sources}{tiled}{when}")
     if module.params:
         out.append("")
     for s in module.states:

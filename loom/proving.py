@@ -100,7 +100,7 @@ def _run(job):
     buffers = {}
     for key, bp in binding.params.items():
         if bp.alias is None:
-            buffers[("param", key)] = dev.guarded(storage_bytes(bp.shape, bp.storage))
+            buffers[("param", key)] = dev.guarded(storage_bytes(bp.shape, bp.storage, bp.tiled))
     for key, bp in binding.params.items():
         target = bp.alias
         while target is not None and binding.params[target].alias is not None:

@@ -79,8 +79,24 @@ def read_preserved(modules):
     return out
 
 
-def _device_array(checkpoint, tensor, storage):
+def tile(array, axis, width):
+    """A param declared tiled(axis, width) as the device holds it: `axis` cut into tiles of
+    `width` (the last one padded with zeros), each tile laid out with the other axes in
+    reverse order and its `width` indices innermost. A conv weight [O, C, K] tiled(0, 16)
+    becomes [O/16][K][C][16]: an outer-product kernel reads 16 outputs' weights for one
+    tap and channel as one vector, in place, instead of gathering them at every launch."""
+    a = np.moveaxis(array, axis, 0)
+    pad = -a.shape[0] % width
+    if pad:
+        a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+    a = a.reshape((a.shape[0] // width, width) + a.shape[1:])
+    return np.ascontiguousarray(a.transpose((0,) + tuple(range(a.ndim - 1, 1, -1)) + (1,)))
+
+
+def _device_array(checkpoint, tensor, storage, tiled=None):
     """The bytes a param holds on the device, from its checkpoint tensor."""
+    if tiled is not None:
+        return tile(_device_array(checkpoint, tensor, storage), *tiled)
     info = checkpoint.tensors[tensor]
     if storage in weights.SCALE_FIELDS:
         raw = np.frombuffer(checkpoint.raw(tensor), np.uint8)
@@ -559,13 +575,13 @@ def state_bytes(binding, state):
 def _upload_params(prepared, checkpoint, progress):
     binding, pool = prepared.binding, prepared.device.pool
     own = [bp for bp in binding.params.values() if bp.alias is None]
-    total = sum(storage_bytes(bp.shape, bp.storage) for bp in own)
+    total = sum(storage_bytes(bp.shape, bp.storage, bp.tiled) for bp in own)
     done = 0
     for bp in own:
         info = checkpoint.tensors.get(bp.tensor)
         if info is None or tuple(info.shape) != bp.shape:
             raise PrepareError(f"tensor {bp.tensor!r} changed since the module was bound", "checkpoint")
-        array = _device_array(checkpoint, bp.tensor, bp.storage)
+        array = _device_array(checkpoint, bp.tensor, bp.storage, bp.tiled)
         prepared.params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
         done += array.nbytes
         if progress:
@@ -598,8 +614,12 @@ def _tokenizer(checkpoint_path, checkpoint, assets):
         raise PrepareError(str(e), "tokenizer") from None
 
 
-def storage_bytes(shape, storage):
-    """A param's device bytes in its storage (quantized blocks stay blocks)."""
+def storage_bytes(shape, storage, tiled=None):
+    """A param's device bytes in its storage (quantized blocks stay blocks; a tiled axis
+    padded to whole tiles)."""
+    if tiled is not None:
+        axis, width = tiled
+        shape = shape[:axis] + (-(-shape[axis] // width) * width,) + shape[axis + 1:]
     values, size = weights.BLOCK_LAYOUT.get(storage, (1, 4))   # I32 params: 4 bytes a value
     return math.prod(shape) // values * size
 

@@ -76,6 +76,7 @@ class BoundParam:
     shape: tuple
     dtype: str           # the declared dtype (f32 | f16 | i32 | weight)
     storage: str         # what the device holds: F32, F16, I32, or a block format (Q8_0 ... Q6_K)
+    tiled: tuple | None = None   # (axis, width) of a param declared tiled(axis, width): runtime.tile
 
 
 @dataclass
@@ -252,7 +253,7 @@ class Binding:
         placement, retained state and the command signatures."""
         return {
             "specs": dict(self.specs),
-            "params": {k: (p.shape, p.storage, p.tensor, p.alias) for k, p in self.params.items()},
+            "params": {k: (p.shape, p.storage, p.tensor, p.alias, p.tiled) for k, p in self.params.items()},
             "states": {k: (s.dtype, s.page, s.dims) for k, s in self.states.items()},
             "commands": {c.name: tuple(c.args) for c in self.module.commands},
         }
@@ -317,7 +318,13 @@ class Binding:
                 raise LoomError(f"dim(): {ref.name} has no axis {_show(axis)}")
             return shape[axis]
 
-        return {"dtype": dtype, "pages": pages, "present": present, "dim": dim,
+        def tiles(ref):
+            if not isinstance(ref, Ref) or ref.kind != "param" or (ref.name, ref.index) not in self.params:
+                raise LoomError(f"tiles() needs a param that is present, got {_show(ref)}")
+            tiled = self.params[(ref.name, ref.index)].tiled
+            return tiled[1] if tiled else 0
+
+        return {"dtype": dtype, "tiles": tiles, "pages": pages, "present": present, "dim": dim,
                 "option": lambda k, *d: _option(self.options, k, d)}
 
     def _run(self, cmd, args, plan, steps, depth):
@@ -585,7 +592,14 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_wi
                 continue  # this layer is absent (say, a block without attention): commands test present()
             dims = tuple(None if tuple(d) == ANY_DIM else _dim(evaluate(d, layer), where) for d in p.dims)
             sources = [src if src.startswith("=") else expand(src, names) for src in p.sources]
-            params[(p.name, index)] = _resolve_param(p, index, dims, sources, tensors, params)
+            bound = _resolve_param(p, index, dims, sources, tensors, params)
+            if p.tiled is not None and bound.alias is None:
+                axis, width = (_int(evaluate(code, layer), where) for code in p.tiled)
+                if not 0 <= axis < len(bound.shape) or not 1 <= width <= 64:
+                    raise LoomError(f"{where}: tiled({axis}, {width}) needs an axis of its {len(bound.shape)} "
+                                    "dimensions and a width of 1 to 64")
+                bound.tiled = (axis, width)
+            params[(p.name, index)] = bound
     states = {}
     for s in module.states:
         scope = Scope(scope_names, builtins, f"state {s.name}")
@@ -638,7 +652,7 @@ def _resolve_param(p, index, dims, sources, tensors, params):
                 other = params[target]
                 if not fits(other.shape):
                     raise LoomError(f"{where}: alias {src[1:]} has shape {other.shape}, expected {wanted()}")
-                return BoundParam(p.name, index, None, target, other.shape, p.dtype, other.storage)
+                return BoundParam(p.name, index, None, target, other.shape, p.dtype, other.storage, other.tiled)
             tried.append(src[1:])
             continue
         name = src

@@ -172,6 +172,13 @@ __kernel void im2col1d(const __global float *X, __global float *Y, int T_in, int
 #define WGET(p) (*(p))
 #endif
 
+#ifndef WEIGHT_TILES
+#define WEIGHT_TILES 0
+#endif
+#if WEIGHT_TILES && !defined(OUT_VW)
+#error "conv1d.cl: tiled weights (WEIGHT_TILES) are read by conv1d_outer and conv_transpose1d_outer only (define OUT_VW)"
+#endif
+
 #ifndef FRAMES_PER_ITEM
 #define FRAMES_PER_ITEM 1
 #endif
@@ -327,6 +334,14 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
 #define OVF LOOM_CAT(float, OUT_VW)
 #define OV_LD(p) LOOM_CAT(loom_ld_float, OUT_VW)(p)
 #define OV_ST(v, p) LOOM_CAT(loom_st_float, OUT_VW)(v, p)
+#if WEIGHT_TILES && WEIGHT_TILES != OUT_VW
+#error "conv1d.cl: WEIGHT_TILES must equal OUT_VW (a tile is one output vector)"
+#endif
+#ifdef WEIGHT_F16
+#define WT_LD(p) LOOM_CAT(vload_half, OUT_VW)(0, (p))
+#else
+#define WT_LD(p) OV_LD(p)
+#endif
 #ifdef GATE
 #if OUT_VECS != 2 || O != 2 * (GATE) || (GATE) % OUT_VW != 0 || defined(RESIDUAL) || defined(ACCUMULATE)
 #error "conv1d.cl: GATE=H needs O = 2H, OUT_VECS 2, OUT_VW dividing H, no RESIDUAL or ACCUMULATE"
@@ -340,9 +355,9 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
 #define OLIMIT O
 #endif
 
-/* acc[v][j] = sum over taps i < NTAPS and channels c of wp[i][c][v] * xs[j][i][c], the
+/* acc[v][j] = sum over taps i < NTAPS and channels c of WP(i, c, v) * xs[j][i][c], the
  * input broadcast: OUT_VECS FMAs per input, each channel's weights loaded once a tile. */
-#define OUTER_PRODUCTS(acc, wp, xs, NTAPS)                                         \
+#define OUTER_PRODUCTS(acc, xs, NTAPS)                                             \
     _Pragma("unroll")                                                              \
     for (int v = 0; v < OUT_VECS; v++)                                             \
         _Pragma("unroll")                                                          \
@@ -353,7 +368,7 @@ __kernel void conv1d_direct(const __global float *X, int x_off, int ldx,
             OVF w[OUT_VECS];                                                       \
             _Pragma("unroll")                                                      \
             for (int v = 0; v < OUT_VECS; v++)                                     \
-                w[v] = wp[i][c][v];                                                \
+                w[v] = WP(i, c, v);                                                \
             _Pragma("unroll")                                                      \
             for (int j = 0; j < TT; j++) {                                         \
                 const OVF x = (OVF)(((const float *)&xs[j][i][0])[c]);             \
@@ -401,6 +416,13 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
     if (g >= ntiles)
         return;
 
+#if WEIGHT_TILES
+    /* the param is laid out [O / OUT_VW][KW][C][OUT_VW] at load: an item reads its vectors in place */
+    const __global WTYPE *wt[OUT_VECS];
+    for (int v = 0; v < OUT_VECS; v++)
+        wt[v] = W + (size_t)((o0 + v * OSTEP) / OUT_VW) * KW * C * OUT_VW;
+#define WP(i, c, v) WT_LD(wt[v] + ((size_t)(i) * C + (c)) * OUT_VW)
+#else
     /* weights re-laid [k][c][v] so OUT_VW consecutive outputs are one vector */
     OVF wp[KW][C][OUT_VECS];
     for (int v = 0; v < OUT_VECS; v++)
@@ -411,6 +433,8 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
                 for (int k = 0; k < KW; k++)
                     ((float *)&wp[k][c][v])[lane] = WGET(wo + c * KW + k);
         }
+#define WP(i, c, v) wp[i][c][v]
+#endif
     OVF b[OUT_VECS];
     for (int v = 0; v < OUT_VECS; v++)
         for (int lane = 0; lane < OUT_VW; lane++) {
@@ -442,7 +466,7 @@ __kernel void conv1d_outer(const __global float *X, int x_off, int ldx,
             }
         }
         OVF acc[OUT_VECS][TT];
-        OUTER_PRODUCTS(acc, wp, xs, KW);
+        OUTER_PRODUCTS(acc, xs, KW);
         _Pragma("unroll")
         for (int j = 0; j < TT; j++) {
             const int t = t0 + j;
@@ -650,14 +674,31 @@ __kernel void conv_transpose1d_outer(const __global float *X, int x_off, int ldx
     const int q0 = (rho + PAD) / STRIDE;
     const int nt = k0 < KW ? (KW - k0 + STRIDE - 1) / STRIDE : 0;
 
+#if WEIGHT_TILES
+    /* W [C, O, KW] laid out [O / OUT_VW][KW][C][OUT_VW] at load; this item's taps are k0 + STRIDE * i */
+    const __global WTYPE *wt[OUT_VECS];
+    for (int v = 0; v < OUT_VECS; v++)
+        wt[v] = W + ((size_t)((o0 + v * OUT_VW) / OUT_VW) * KW + k0) * C * OUT_VW;
+#else
     OVF wp[NTMAX][C][OUT_VECS];
+    for (int c = 0; c < C; c++)         /* W's rows in order: [c][o][k] */
+        for (int v = 0; v < OUT_VECS; v++)
+            for (int lane = 0; lane < OUT_VW; lane++) {
+                const int o = o0 + v * OUT_VW + lane < O ? o0 + v * OUT_VW + lane : O - 1;
+                for (int i = 0; i < NTMAX; i++)
+                    ((float *)&wp[i][c][v])[lane] = i < nt ? WGET(W + ((size_t)c * O + o) * KW + k0 + STRIDE * i) : 0.0f;
+            }
+#endif
+#undef WP
+#if WEIGHT_TILES
+#define WP(i, c, v) WT_LD(wt[v] + ((size_t)(i) * STRIDE * C + (c)) * OUT_VW)
+#else
+#define WP(i, c, v) wp[i][c][v]
+#endif
     OVF b[OUT_VECS];
     for (int v = 0; v < OUT_VECS; v++)
         for (int lane = 0; lane < OUT_VW; lane++) {
             const int o = o0 + v * OUT_VW + lane < O ? o0 + v * OUT_VW + lane : O - 1;
-            for (int i = 0; i < NTMAX; i++)
-                for (int c = 0; c < C; c++)
-                    ((float *)&wp[i][c][v])[lane] = i < nt ? WGET(W + ((size_t)c * O + o) * KW + k0 + STRIDE * i) : 0.0f;
 #ifdef HAS_BIAS
             ((float *)&b[v])[lane] = bias[o];
 #else
@@ -684,7 +725,7 @@ __kernel void conv_transpose1d_outer(const __global float *X, int x_off, int ldx
             }
         }
         OVF acc[OUT_VECS][TT];
-        OUTER_PRODUCTS(acc, wp, xs, nt);
+        OUTER_PRODUCTS(acc, xs, nt);
         _Pragma("unroll")
         for (int j = 0; j < TT; j++) {
             const int m = m0 + j;

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import cpu_drivers
 from loom import device as loom_device
+from loom.runtime import tile
 
 cl = pytest.importorskip("pyopencl")
 
@@ -1247,16 +1248,22 @@ CONV_DIRECT = {
 }
 
 
-@pytest.mark.parametrize("case,entry", [(case, entry) for case in CONV_DIRECT for entry in ("conv1d_direct", "conv1d_outer")
-                                        if entry == "conv1d_direct" or not CONV_DIRECT[case][7].get("OUT_TANH")])
-def test_conv1d_direct(env, case, entry):
+OUTER_MODES = ("copied", "tiled")     # weights as the checkpoint lays them out, or tiled at load (WEIGHT_TILES)
+
+
+@pytest.mark.parametrize("case,entry,weights", [(case, entry, mode) for case in CONV_DIRECT
+                                                for entry in ("conv1d_direct", "conv1d_outer")
+                                                for mode in (OUTER_MODES if entry == "conv1d_outer" else ("copied",))
+                                                if entry == "conv1d_direct" or not CONV_DIRECT[case][7].get("OUT_TANH")])
+def test_conv1d_direct(env, case, entry, weights):
     """conv1d_direct, and conv1d_outer (the same contract as outer products over output
     vectors, OUT_VECS x OUT_VW outputs by 8 frames a tile: a partial last vector when
     OUT_VW does not divide O), on packed sequences against the float64 loop: bias, fused
     leaky input (scaled first with X_SCALE), residual, tanh (direct only), accumulate,
     stride, dilation beyond a sequence's length, empty and one-frame sequences, tail
     outputs and frames, F16 weights, views; any G1, same bits; a T past y_offsets[S]
-    writes nothing more."""
+    writes nothing more. conv1d_outer reads its weights either as the checkpoint lays them
+    out or tiled at load (runtime.tile, WEIGHT_TILES = OUT_VW): the same bits either way."""
     c, o, kw, stride, pad, dil, lengths, macros, views = CONV_DIRECT[case]
     if entry == "conv1d_outer":         # no OUT_TANH: conv_post's one output runs conv1d_direct
         macros = {k: v for k, v in macros.items() if k not in ("OUTS_PER_ITEM", "FRAMES_PER_ITEM")}
@@ -1273,6 +1280,9 @@ def test_conv1d_direct(env, case, entry):
     b = r.standard_normal(o).astype(np.float32)
     kind = "F16" if macros.get("WEIGHT_F16") else "F32"
     wdev, w64 = make_weights(kind, w)
+    if weights == "tiled":
+        wdev = tile(wdev, 0, macros["OUT_VW"])
+        macros["WEIGHT_TILES"] = macros["OUT_VW"]
     ldx, x_off, ldy, y_off = views or (c, 0, o, 0)
     y0 = r.standard_normal((t_out, o)).astype(np.float32)
     slope = macros.get("LEAKY")
@@ -1302,12 +1312,14 @@ def test_conv1d_direct(env, case, entry):
         np.testing.assert_array_equal(other, results[0])
 
 
+@pytest.mark.parametrize("weights", OUTER_MODES)
 @pytest.mark.parametrize("c,h,kw,dil,lengths,kind", [(192, 192, 5, 1, [9, 17], "F32"),
                                                       (8, 32, 3, 2, [5, 0, 12], "F16")])
-def test_conv1d_outer_gate(env, c, h, kw, dil, lengths, kind):
+def test_conv1d_outer_gate(env, c, h, kw, dil, lengths, kind, weights):
     """conv1d_outer with GATE=H stores WaveNet's gate of its 2H outputs, tanh of the first
     half times sigmoid of the second (VITS's flows), into a view of Y: packed sequences,
-    F16 weights, any G1 the same bits; the build refuses a GATE it cannot honour."""
+    F16 weights, weights as stored or tiled, any G1 the same bits; the build refuses a GATE
+    it cannot honour, and tiles of another width than OUT_VW."""
     r = rng(c + h + kw)
     pad = dil * (kw - 1) // 2
     xo = packed_offsets(lengths)
@@ -1316,10 +1328,13 @@ def test_conv1d_outer_gate(env, c, h, kw, dil, lengths, kind):
     w = (r.standard_normal((2 * h, c, kw)) / np.sqrt(c * kw)).astype(np.float32)
     b = r.standard_normal(2 * h).astype(np.float32)
     wdev, w64 = make_weights(kind, w)
+    tiles = 16 if weights == "tiled" else 0
+    if tiles:
+        wdev = tile(wdev, 0, tiles)
     v = conv1d_ref(x, w64, b, xo, xo, 1, pad, dil, None)
     want = np.tanh(v[:, :h]) / (1 + np.exp(-v[:, h:]))
     prg = env.build("conv1d", C=c, O=2 * h, KW=kw, PAD=pad, DILATION=dil, HAS_BIAS=True, OUT_VW=16, OUT_VECS=2,
-                    FRAMES_PER_ITEM=8, GATE=h, **{f"WEIGHT_{kind}": True})
+                    FRAMES_PER_ITEM=8, GATE=h, WEIGHT_TILES=tiles, **{f"WEIGHT_{kind}": True})
     ldy = h + 5
     ob = env.buf(xo)
     results = []
@@ -1335,6 +1350,8 @@ def test_conv1d_outer_gate(env, c, h, kw, dil, lengths, kind):
     np.testing.assert_array_equal(results[0], results[1])
     with pytest.raises(Exception, match="GATE"):
         env.build("conv1d", C=c, O=2 * h + 16, KW=kw, OUT_VW=16, GATE=h)
+    with pytest.raises(Exception, match="WEIGHT_TILES"):
+        env.build("conv1d", C=c, O=2 * h, KW=kw, OUT_VW=16, GATE=h, WEIGHT_TILES=8)
 
 
 def conv_in_view_ref(x, ldx, x_off):
@@ -1402,13 +1419,15 @@ CONV_TRANSPOSE = {
 }
 
 
-@pytest.mark.parametrize("entry", ["conv_transpose1d", "conv_transpose1d_outer"])
+@pytest.mark.parametrize("entry,weights", [("conv_transpose1d", "copied")]
+                         + [("conv_transpose1d_outer", mode) for mode in OUTER_MODES])
 @pytest.mark.parametrize("case", list(CONV_TRANSPOSE))
-def test_conv_transpose1d(env, case, entry):
+def test_conv_transpose1d(env, case, entry, weights):
     """conv_transpose1d and conv_transpose1d_outer (outer products, as conv1d_outer): STRIDE * n
     output frames per sequence equal to PyTorch's when KW - 2*PAD == STRIDE (HiFi-GAN), truncated
     or bias-extended otherwise; packed sequences (one frame, empty), fused leaky input (scaled
-    first with X_SCALE), F16 weights, tails, views; any G1, same bits."""
+    first with X_SCALE), F16 weights, tails, views; any G1, same bits. The outer kernel reads
+    W [C, O, KW] as stored or tiled along O at load (tile(w, 1, OUT_VW))."""
     c, o, kw, stride, pad, lengths, macros, views = CONV_TRANSPOSE[case]
     if entry == "conv_transpose1d_outer":
         macros = {k: v for k, v in macros.items() if k not in ("OUTS_PER_ITEM", "FRAMES_PER_ITEM")}
@@ -1420,6 +1439,9 @@ def test_conv_transpose1d(env, case, entry):
     w = (r.standard_normal((c, o, kw)) / np.sqrt(c)).astype(np.float32)
     b = r.standard_normal(o).astype(np.float32)
     wdev, w64 = make_weights("F16" if macros.get("WEIGHT_F16") else "F32", w)
+    if weights == "tiled":
+        wdev = tile(wdev, 1, macros["OUT_VW"])
+        macros["WEIGHT_TILES"] = macros["OUT_VW"]
     ldx, x_off, ldy, y_off = views or (c, 0, o, 0)
     t_out = stride * t
     y0 = r.standard_normal((t_out, o)).astype(np.float32)
@@ -1447,7 +1469,7 @@ def test_conv_transpose1d(env, case, entry):
 def test_conv_build_errors_and_absent_kernels(env):
     """VW must divide C; conv_transpose1d exists only with DILATION 1; without O only
     im2col1d and conv1d_depthwise exist; OUT_VW builds the outer kernels instead of the
-    direct ones, and never with OUT_TANH."""
+    direct ones, and never with OUT_TANH; only they read tiled weights (WEIGHT_TILES)."""
     with pytest.raises(cl.RuntimeError):
         env.build("conv1d", C=12, O=4, KW=3, VW=8)
     with pytest.raises(cl.LogicError):
@@ -1462,6 +1484,8 @@ def test_conv_build_errors_and_absent_kernels(env):
         outer.conv1d_direct
     with pytest.raises(cl.RuntimeError):
         env.build("conv1d", C=8, O=4, KW=3, OUT_VW=4, OUT_TANH=True)
+    with pytest.raises(cl.RuntimeError):       # tiled weights: the outer kernels only
+        env.build("conv1d", C=8, O=4, KW=3, WEIGHT_TILES=4)
 
 
 def test_hifigan_stage_from_library_kernels(env):

@@ -2,10 +2,12 @@
 
 import glob
 import os
+import re
 import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -401,9 +403,9 @@ def test_format_version_1_files_still_read():
     data = open(os.path.join(ROOT, "tests", "data", "sample-v1.loombc"), "rb").read()
     assert struct.unpack("<H", data[8:10]) == (1,)
     assert bytecode.read(data) == sample()
-    assert struct.unpack("<H", bytecode.write(sample())[8:10]) == (bytecode.FORMAT_VERSION,) == (2,)
-    with pytest.raises(LoomError, match="format version 3 is not supported"):
-        bytecode.read(data[:8] + struct.pack("<H", 3) + data[10:])
+    assert struct.unpack("<H", bytecode.write(sample())[8:10]) == (bytecode.FORMAT_VERSION,) == (3,)
+    with pytest.raises(LoomError, match="format version 4 is not supported"):
+        bytecode.read(data[:8] + struct.pack("<H", 4) + data[10:])
 
 
 # -- layers that differ: placeholders, "?" dimensions, per-layer `when` ------------------------
@@ -488,3 +490,92 @@ def test_layer_dims_may_use_i_and_a_misfit_names_the_layer():
     with pytest.raises(LoomError, match=r"dim\(\) needs a param that is present"):
         vm.bind(language.parse(NESTED.replace("dim_of_i(i)", "?").replace("k(skip[l], 0)", "k(w[l], dim(skip[0], 0))")),
                 {}, nested_tensors()).plan("c", n=1)
+
+
+# -- tiled params: laid out at load for the kernels that read them -----------------------------
+
+TILED = '''
+module t kind embedding
+spec O = shape("w.0", 0)
+spec W = 4
+param w[2] : f32 [O, ?, 3] = "w.{i}" tiled(0, W)
+param up : f16 [4, O, 2] = "up" tiled(1, W // 2 + 2)
+param plain : f32 [O, 3, 3] = "w.0"
+param shared : f32 [4, O, 2] = "missing" | up
+kernel k(w: tensor[A, B, K], n: int)
+    source "__kernel void k(int n) {}"
+    defines { A = A, TILES = tiles(w) }
+    args [n]
+    grid [n]
+command c(n: int) {
+    k(w[1], n)
+    k(up, n)
+    k(plain, n)
+    k(shared, n)
+}
+'''
+
+
+def tiled_tensors(o=6):
+    return {"w.0": vm.Tensor((o, 3, 3), "F32"), "w.1": vm.Tensor((o, 5, 3), "F32"), "up": vm.Tensor((4, o, 2), "F16")}
+
+
+def test_tiled_params_round_trip_bind_and_tell_their_kernels():
+    module = language.parse(TILED)
+    assert module.find("params", "w").tiled is not None and module.find("params", "plain").tiled is None
+    printed = language.format_module(module)
+    assert "tiled(0, W)" in printed and "tiled(1, W // 2 + 2)" in printed
+    assert language.parse(printed) == module
+    assert bytecode.read(bytecode.write(module)) == module
+    b = vm.bind(module, {}, tiled_tensors())
+    assert [b.params[("w", i)].tiled for i in (0, 1)] == [(0, 4), (0, 4)]
+    assert b.params[("up", None)].tiled == (1, 4)
+    assert b.params[("plain", None)].tiled is None
+    assert b.params[("shared", None)].alias == ("up", None) and b.params[("shared", None)].tiled == (1, 4)
+    assert [launch.defines["TILES"] for launch in b.plan("c", n=1).launches] == [4, 4, 0, 4]
+    assert b.contract()["params"][("w", 0)][-1] == (0, 4)      # a variant keeps the layout
+
+
+@pytest.mark.parametrize("change, message", [
+    (('param plain : f32', 'param plain : weight'), "tiled\\(\\) needs dtype f32 or f16, not weight"),
+    (('"w.0"\nparam shared', '"w.0" tiled(0, Q)\nparam shared'), "unknown name 'Q'"),
+    (('tiled(0, W)', 'tiled(0 W)'), "expected ','"),
+])
+def test_tiled_declaration_errors(change, message):
+    source = TILED.replace(*change)
+    if change[0].startswith("param plain"):
+        source = source.replace('"w.0"\nparam shared', '"w.0" tiled(0, 4)\nparam shared')
+    with pytest.raises(LoomError, match=message):
+        language.parse(source)
+
+
+@pytest.mark.parametrize("tiled, values", [("tiled(3, W)", "3, 4"), ("tiled(0, 0)", "0, 0"), ("tiled(0, 65)", "0, 65"),
+                                           ("tiled(-1, W)", "-1, 4")])
+def test_tiled_values_out_of_range_fail_binding(tiled, values):
+    module = language.parse(TILED.replace("tiled(0, W)", tiled))
+    with pytest.raises(LoomError, match=re.escape(f"param w[0]: tiled({values}) needs an axis of its 3 dimensions "
+                                                  "and a width of 1 to 64")):
+        vm.bind(module, {}, tiled_tensors())
+
+
+@pytest.mark.parametrize("shape, axis, width", [((5, 3, 2), 0, 4), ((3, 5, 2), 1, 4), ((5, 7), 0, 4),
+                                                ((8, 2, 3), 0, 8), ((2, 9, 4), 1, 16), ((6,), 0, 4)])
+def test_tile_layout_against_loops(shape, axis, width):
+    """runtime.tile: the axis in tiles of `width` (padded with zeros), each tile's values with
+    the other axes in reverse order and the tile's own index innermost; storage_bytes agrees."""
+    from loom.runtime import storage_bytes, tile
+    a = np.arange(1, np.prod(shape) + 1, dtype=np.float32).reshape(shape)
+    got = tile(a, axis, width)
+    rest = [d for i, d in enumerate(shape) if i != axis]
+    tiles = -(-shape[axis] // width)
+    assert got.shape == (tiles, *rest[::-1], width)
+    for t in range(tiles):
+        for lane in range(width):
+            n = t * width + lane
+            for idx in np.ndindex(*rest):
+                full = list(idx)
+                full.insert(axis, n)
+                want = a[tuple(full)] if n < shape[axis] else 0.0
+                assert got[(t, *idx[::-1], lane)] == want
+    assert storage_bytes(shape, "F32", (axis, width)) == got.nbytes
+    assert storage_bytes(shape, "F16", (axis, width)) == got.nbytes // 2
