@@ -10,9 +10,18 @@ yields one chunk per sentence, as Loom streams one sentence at a time.
 Time to first audio (TTFA) is from the request to its first samples; the
 real-time factor (RTF) is wall seconds over seconds of audio (for N concurrent
 requests, from the first start to the last end over N times the audio).
-Lower is faster; the ratio is Loom's over Piper's. Best of --repeat runs.
+Lower is faster; the ratio is Loom's over Piper's. Best of --repeat rounds.
 
-    python bench/speech.py [--clients 1,4] [--repeat 3]
+The sides take turns in bursts: each round runs Piper --burst times back to
+back, then Loom --burst times, with --settle seconds of quiet before each
+burst. Run by run alternation measured the other side's leftovers: after a
+run, onnxruntime's intra-op threads spin-wait for more work, and on two cores
+they took one from the Loom request that followed (Loom's one-sentence RTF
+0.024-0.026 right after Piper runs, 0.020-0.022 with Piper's spinning turned
+off or Loom alone). In bursts each side runs as it would serving requests
+back to back on its own, and neither starts while the other still spins.
+
+    python bench/speech.py [--clients 1,4] [--repeat 3] [--burst 3] [--settle 1]
 """
 
 import os
@@ -128,6 +137,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", default="1,4")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=3, help="runs of one side back to back")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of quiet before each burst")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     voice_file = demo.joe_voice_file()
@@ -137,20 +148,23 @@ def main():
         for speak in sides.values():                 # warm: compiled plans, onnxruntime's first run
             for text in TEXTS.values():
                 speak(text)()
-        print(f"en_US-joe-medium, noise 0.667/0.8, length 1; best of {args.repeat}; {os.cpu_count()} CPUs")
+        print(f"en_US-joe-medium, noise 0.667/0.8, length 1; best of {args.repeat} rounds of bursts of "
+              f"{args.burst}, {args.settle:g} s apart; {os.cpu_count()} CPUs")
         print(f"\n{'text':>16} {'audio s':>8} {'clients':>7} {'Loom TTFA':>10} {'Piper TTFA':>11} "
               f"{'Loom RTF':>9} {'Piper RTF':>10} {'ratio':>6}")
         for label, text in TEXTS.items():
             for n in clients:
                 best = {}
                 for _ in range(args.repeat):
-                    for side, speak in sides.items():   # alternating, in the same run
-                        wall, results = concurrent(speak(text), n)
-                        ttfa = max(r[0] for r in results)
-                        seconds = sum(r[1] for r in results)
-                        old = best.get(side)
-                        best[side] = (min(ttfa, old[0]) if old else ttfa, min(wall / seconds, old[1]) if old else
-                                      wall / seconds, results[0][1])
+                    for side in ("piper", "Loom"):      # taking turns, in the same run
+                        time.sleep(args.settle)
+                        for _ in range(args.burst):
+                            wall, results = concurrent(sides[side](text), n)
+                            ttfa = max(r[0] for r in results)
+                            seconds = sum(r[1] for r in results)
+                            old = best.get(side)
+                            best[side] = (min(ttfa, old[0]) if old else ttfa, min(wall / seconds, old[1]) if old
+                                          else wall / seconds, results[0][1])
                 lt, lr, audio = best["Loom"]
                 pt, pr, _ = best["piper"]
                 print(f"{label:>16} {audio:8.2f} {n:7d} {lt * 1e3:8.0f}ms {pt * 1e3:9.0f}ms {lr:9.3f} {pr:10.3f} "

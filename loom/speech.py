@@ -50,6 +50,7 @@ OUTPUT_RATE = 24000
 PCM_TYPE = f"audio/pcm;rate={OUTPUT_RATE};channels=1"
 INPUT_CHARS = 4096
 SENTENCE_IDS = 1024        # phoneme ids per sentence (a longer one is refused, never cut)
+SENTENCE_FRAMES = 65536    # latent frames per sentence (12 min at 22050 Hz): the flow's int32 indexing stays exact
 BATCH = 8                  # sentences per step
 FIRST_WINDOW = 32          # latent frames of a request's first vocode window (0.37 s at 22050 Hz, hop 256)
 VOCODE_FRAMES = 320        # latent frames (context included) per vocode step: its activations stay in cache
@@ -327,6 +328,12 @@ class Engine(CohortEngine):
             durations = values["durations"].reshape(len(work), T)
             for i, s in enumerate(work):
                 s.stats, s.durations = stats[i, :len(s.ids)], durations[i, :len(s.ids)]
+                frames = int(s.durations.sum())
+                if frames > SENTENCE_FRAMES:     # the voice's durations at this speed: refused, never cut
+                    s.job.finish(error=Error(400, f"sentence {s.index + 1} of the input would last {frames} frames; "
+                                                  f"at most {SENTENCE_FRAMES} per sentence (a lower speed or a "
+                                                  "shorter sentence)", "invalid_value", "input"))
+                    continue
                 s.state = "latents"
         elif phase == "latents":
             F = max(int(s.durations.sum()) for s in work)

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conftest import _start_live
@@ -250,3 +251,25 @@ def test_requests_waiting_for_first_audio_take_the_vocode_step_first():
         s.job.audible, s.state = True, "vocode"
     _, work = engine.form()
     assert work[0] is talking and sum(s.span()[3] for s in work) <= engine_module.VOCODE_FRAMES
+
+
+def test_a_sentence_longer_than_the_frame_bound_ends_its_request_alone():
+    """A sentence whose durations add up to more than SENTENCE_FRAMES (the flow indexes its
+    frames with int32) ends its request with 400 invalid_value on `input`; a sentence of another
+    request in the same encode step goes on to latents (unit level)."""
+    from types import SimpleNamespace as NS
+    from loom import speech as engine_module
+    ended = {}
+
+    def sentence(name, durations):
+        job = NS(voice=NS(stats=2), finish=lambda error=None: ended.update({name: error}))
+        return NS(job=job, ids=[1] * len(durations), index=0, state="encode-running"), np.array(durations, np.float32)
+
+    limit = engine_module.SENTENCE_FRAMES
+    long, long_d = sentence("long", [limit // 2, limit // 2, 1])
+    short, short_d = sentence("short", [3, 4, 0])
+    engine = engine_module.Engine.__new__(engine_module.Engine)
+    engine.apply(("encode", [long, short]), {"stats": np.zeros(2 * 3 * 2, np.float32),
+                                             "durations": np.concatenate([long_d, short_d])}, None)
+    assert ended["long"].status == 400 and ended["long"].param == "input" and str(limit) in str(ended["long"])
+    assert long.state == "encode-running" and "short" not in ended and short.state == "latents"
