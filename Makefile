@@ -49,7 +49,7 @@ run: install
 
 test: install
 	$(VENV)/bin/lint-imports --no-cache --config .importlinter
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: install
 	$(PY) bench/http.py

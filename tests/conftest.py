@@ -50,6 +50,14 @@ def pytest_unconfigure(config):
     shutil.rmtree(KERNELS, ignore_errors=True)
 
 
+def compiler_for(device):
+    """A compiler that builds on the calling thread and shares the run's kernel cache with every
+    other in-process test and every server the run starts (a package's kernels, built once by its
+    numerics tests, load in its serving tests instead of compiling again)."""
+    from loom.compiler import BinaryStore, Compiler, run_now
+    return Compiler(device, run_now, binaries=BinaryStore(KERNELS))
+
+
 def cpu_drivers():
     """pytest params: one device selector (a flat index) per usable CPU driver
     present, its best device, so numerics are checked on every driver installed."""

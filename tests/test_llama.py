@@ -12,14 +12,13 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers
+from conftest import ROOT, cpu_drivers, compiler_for
 from test_kernels import quantize_activations_q8
 from test_runtime import q4_0, q8_0
 
 gguf = pytest.importorskip("gguf")
 
 from loom import runtime  # noqa: E402
-from loom.compiler import Compiler, run_now  # noqa: E402
 from loom.device import Device  # noqa: E402
 from loom.weights import open_checkpoint, quantize  # noqa: E402
 
@@ -307,7 +306,7 @@ def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None, shape=
 def device(request):
     """Every usable CPU driver present: the package's numerics must hold on each."""
     dev = Device(request.param)
-    return dev, Compiler(dev, run_now)
+    return dev, compiler_for(dev)
 
 
 def run_advance(prepared, tokens, page_ids):

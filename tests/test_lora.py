@@ -15,9 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.numpy import save_file
 
-from conftest import cpu_drivers
+from conftest import cpu_drivers, compiler_for
 from loom import lora, runtime, weights
-from loom.compiler import Compiler, run_now
 from loom.device import Device
 from loom.errors import Problem
 
@@ -387,7 +386,7 @@ def deployments(request, folder):
     """Per driver: the base model, with watercolor and ink ("both"), with full and ink ("full");
     one compiler, so the three share their builds."""
     dev = Device(request.param)
-    compiler = Compiler(dev, run_now)
+    compiler = compiler_for(dev)
 
     def prepared(*names):
         def extend(cp):

@@ -4,7 +4,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from loom.compiler import Compiler, run_now
+from conftest import compiler_for
 from loom.device import Device
 
 V = 1000
@@ -57,7 +57,7 @@ def reference(logits, temperature, top_p, top_k, seed, counter):
 @pytest.fixture(scope="module")
 def kernel():
     device = Device("cpu")
-    compiler = Compiler(device, run_now)
+    compiler = compiler_for(device)
     exe = compiler.compile(compiler.library_source("sample"), {"V": V})
     return device, exe.program
 

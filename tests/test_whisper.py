@@ -14,9 +14,8 @@ import pytest
 
 import speech
 import whisper_numpy as ref
-from conftest import ROOT, cpu_drivers
+from conftest import ROOT, cpu_drivers, compiler_for
 from loom import demo, runtime, transcription
-from loom.compiler import Compiler, run_now
 from loom.device import Device
 
 MODEL = demo.whisper_tiny_file()
@@ -39,7 +38,7 @@ def prepared(request):
         return open(path, "rb").read() if os.path.isfile(path) else None
 
     p = runtime.prepare("whisper", [os.path.join(PACKAGE, "whisper.loom")], MODEL, {"rows": ROWS}, dev,
-                        Compiler(dev, run_now), includes=includes)
+                        compiler_for(dev), includes=includes)
     yield p
     p.release()
 
