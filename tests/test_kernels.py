@@ -881,10 +881,16 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
+# Row-strided elementwise kernels address in int where that is exact (on Intel's runtime,
+# which vectorizes only 32-bit addressing) and in size_t otherwise: EW_SIZE_T forces the latter.
+ADDRESSING = [pytest.param(False, id="as-built"), pytest.param(True, id="size_t")]
+
+
+@pytest.mark.parametrize("size_t", ADDRESSING)
 @pytest.mark.parametrize("tanh", [False, True])
-def test_gated_activations(env, tanh):
+def test_gated_activations(env, tanh, size_t):
     f, t = 37, 3
-    prg = env.build("elementwise", F=f, GELU_TANH=tanh)
+    prg = env.build("elementwise", F=f, GELU_TANH=tanh, EW_SIZE_T=size_t)
     r = rng(500)
     gu = (r.standard_normal((t, 2 * f)) * 4).astype(np.float32)
     gu[0, :4] = [-100.0, 100.0, 0.0, -30.0]        # saturated sigmoids
@@ -930,9 +936,10 @@ def test_quick_gelu_and_silu(env):
         assert_close(env.read(yb, n), ref, 1e-5)
 
 
-def test_add_mul_scale_add_bias(env):
+@pytest.mark.parametrize("size_t", ADDRESSING)
+def test_add_mul_scale_add_bias(env, size_t):
     f, t = 37, 5
-    prg = env.build("elementwise", F=f)
+    prg = env.build("elementwise", F=f, EW_SIZE_T=size_t)
     r = rng(502)
     n = f * t
     y = r.standard_normal(n).astype(np.float32)
@@ -1537,11 +1544,12 @@ def test_hifigan_stage_from_library_kernels(env):
     assert_close(env.read(sb, (t, c)), want, 1e-5)
 
 
-def test_vits_elementwise(env):
+@pytest.mark.parametrize("size_t", ADDRESSING)
+def test_vits_elementwise(env, size_t):
     """leaky_relu, tanh_act, tanh_sigmoid_mul (WaveNet gate on the halves of one [T, 2H]
     buffer) and mask_rows."""
     f, t = 37, 6
-    prg = env.build("elementwise", F=f)
+    prg = env.build("elementwise", F=f, EW_SIZE_T=size_t)
     r = rng(750)
     n = 1000
     x = (r.standard_normal(n) * 4).astype(np.float32)
