@@ -260,7 +260,16 @@ inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
 #define ACCS 1
 #endif
 #endif
-#define NACC (ACCS < KSTEP / VW ? ACCS : KSTEP / VW)
+/* A step of the loop over K covers MM_KBLOCK elements: KBLOCK, or more blocks
+ * when ACCS asks for more accumulators than one block has vectors (decode: each
+ * accumulator's FMA chain is latency-bound, and one block's two vectors leave
+ * the core idle between FMAs). */
+#if !defined(KQ_BYTES) && ACCS * VW > KBLOCK && K_MAIN % (ACCS * VW) == 0
+#define MM_KBLOCK (ACCS * VW)
+#else
+#define MM_KBLOCK KBLOCK
+#endif
+#define NACC (ACCS < MM_KBLOCK / VW ? ACCS : MM_KBLOCK / VW)
 
 /* One output: bias and residual add, then the store (every path ends here). */
 inline void mm_store(const __global float *bias, __global float *y, int n, float s)
@@ -279,12 +288,12 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 __attribute__((always_inline)) inline void mm_tile(
     const __global float *X, int ldx, const __global WTYPE *W,
     const __global float *bias, __global float *Y, int ldy,
-    int n0, int t0, const int nt)
+    int n0, const int nr, int t0, const int nt)
 {
     const __global WTYPE *wrow[RPI];
     #pragma unroll
     for (int r = 0; r < RPI; r++)
-        wrow[r] = W + (size_t)(n0 + r < N ? n0 + r : N - 1) * ROW_STRIDE;
+        wrow[r] = W + (size_t)(n0 + r < nr ? n0 + r : nr - 1) * ROW_STRIDE;
     const __global float *xrow[TPI];
     #pragma unroll
     for (int j = 0; j < TPI; j++)
@@ -299,9 +308,9 @@ __attribute__((always_inline)) inline void mm_tile(
             for (int a = 0; a < NACC; a++)
                 acc[r][j][a] = (VF)(0.0f);
 
-    for (int kb0 = 0; kb0 < K_MAIN; kb0 += KBLOCK) {
+    for (int kb0 = 0; kb0 < K_MAIN; kb0 += MM_KBLOCK) {
         #pragma unroll
-        for (int kb = kb0; kb < kb0 + KBLOCK; kb += KSTEP) {
+        for (int kb = kb0; kb < kb0 + MM_KBLOCK; kb += KSTEP) {
             WSCALE_DECL
             #pragma unroll
             for (int c = 0; c < KSTEP; c += VW) {
@@ -315,7 +324,7 @@ __attribute__((always_inline)) inline void mm_tile(
                         VF x = VLOAD(xrow[j] + kb + c);
                         #pragma unroll
                         for (int r = 0; r < RPI; r++)
-                            acc[r][j][(c / VW) % NACC] += w[r] * x;
+                            acc[r][j][((kb - kb0 + c) / VW) % NACC] += w[r] * x;
                     }
                 }
             }
@@ -327,7 +336,7 @@ __attribute__((always_inline)) inline void mm_tile(
         int n = n0 + r;
         #pragma unroll
         for (int j = 0; j < TPI; j++) {
-            if (j < nt && n < N) {
+            if (j < nt && n < nr) {
                 VF sum = acc[r][j][0];
                 #pragma unroll
                 for (int a = 1; a < NACC; a++)
@@ -453,12 +462,12 @@ inline int8 mm_dot(int16 wa, int16 wb, mm_v32qi xv)
 __attribute__((always_inline)) inline void mm_tile_q(
     const __local char *lq, const __local float *ld, const __local int *ls,
     const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
-    int n0, int t0, const int nt)
+    int n0, const int nr, int t0, const int nt)
 {
     const __global WTYPE *wrow[RPI];
     #pragma unroll
     for (int r = 0; r < RPI; r++)
-        wrow[r] = W + (size_t)(n0 + r < N ? n0 + r : N - 1) * ROW_STRIDE;
+        wrow[r] = W + (size_t)(n0 + r < nr ? n0 + r : nr - 1) * ROW_STRIDE;
     float8 acc[RPI][TPI];
     #pragma unroll
     for (int r = 0; r < RPI; r++)
@@ -500,7 +509,7 @@ __attribute__((always_inline)) inline void mm_tile_q(
         int n = n0 + r;
         #pragma unroll
         for (int j = 0; j < TPI; j++) {
-            if (j < nt && n < N) {
+            if (j < nt && n < nr) {
                 float s = loom_hsum8(acc[r][j]);
                 mm_store(bias, Y + (size_t)(t0 + j) * ldy + n, n, s);
             }
@@ -541,30 +550,23 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
 #error "matmul.cl: TOKENS_PER_ITEM must be at most 16"
 #endif
 /* A tail of nt < TPI tokens (cases nt >= TPI are dead and fold away). */
-#define MM_TAIL(nt) case nt: if (nt < TPI) mm_tile(X, ldx, W, bias, Y, ldy, n0, t0, nt); break;
+#define MM_TAIL(nt) case nt: if (nt < TPI) mm_tile(X, ldx, W, bias, Y, ldy, n0, nr, t0, nt); break;
 
-#define MM_TAIL_Q(nt) case nt: if (nt < TPI) mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, t0, nt); break;
+#define MM_TAIL_Q(nt) case nt: if (nt < TPI) mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, nr, t0, nt); break;
 
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void matmul(const __global float *X, int x_off, int ldx,
-            const __global WTYPE *W,
-            const __global float *bias,
-            __global float *Y, int y_off, int ldy,
-            int T)
-{
-    const int n0 = get_global_id(0) * RPI;
+/* Rows n0 .. n0 + RPI - 1 of a matrix of nr rows at W (rows >= nr only read row
+ * nr - 1 again and store nothing), for every token tile of this work-item. */
+__attribute__((always_inline)) inline void mm_rows(
+    const __global float *X, int ldx, const __global WTYPE *W, const __global float *bias,
+    __global float *Y, int ldy, int n0, const int nr, int T
 #ifdef ACT_Q8
-    /* no early exit: every work-item reaches the barriers (rows >= N skip stores) */
-    __local char lq[TPI * K] __attribute__((aligned(32)));
-    __local float ld[TPI * NB];
-    __local int ls[TPI * NB];
-    const int lid = get_local_id(0);
-#else
-    if (n0 >= N)
-        return;
+    , __local char *lq, __local float *ld, __local int *ls
 #endif
-    X += x_off;
-    Y += y_off;
+    )
+{
+#ifdef ACT_Q8
+    const int lid = get_local_id(0);
+#endif
     const int tstride = get_global_size(1) * TPI;
     for (int t0 = get_global_id(1) * TPI; t0 < T; t0 += tstride) {
 #ifdef ACT_Q8
@@ -577,7 +579,7 @@ void matmul(const __global float *X, int x_off, int ldx,
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (ntile == TPI) {
-            mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, t0, TPI);
+            mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, nr, t0, TPI);
         } else {
             switch (ntile) {
             MM_TAIL_Q(1) MM_TAIL_Q(2) MM_TAIL_Q(3) MM_TAIL_Q(4) MM_TAIL_Q(5) MM_TAIL_Q(6) MM_TAIL_Q(7)
@@ -586,7 +588,7 @@ void matmul(const __global float *X, int x_off, int ldx,
         }
 #else
         if (t0 + TPI <= T) {
-            mm_tile(X, ldx, W, bias, Y, ldy, n0, t0, TPI);
+            mm_tile(X, ldx, W, bias, Y, ldy, n0, nr, t0, TPI);
         } else {
             /* the tail: one narrower tile, its width a literal at each case */
             switch (T - t0) {
@@ -597,3 +599,61 @@ void matmul(const __global float *X, int x_off, int ldx,
 #endif
     }
 }
+
+#ifdef ACT_Q8
+/* no early exit: every work-item reaches the barriers (rows >= N skip stores) */
+#define MM_LOCALS __local char lq[TPI * K] __attribute__((aligned(32))); __local float ld[TPI * NB]; \
+    __local int ls[TPI * NB];
+#define MM_LOCAL_ARGS , lq, ld, ls
+#define MM_EXIT_PAST_N
+#else
+#define MM_LOCALS
+#define MM_LOCAL_ARGS
+#define MM_EXIT_PAST_N if (n0 >= N) return;
+#endif
+
+#ifndef N0
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void matmul(const __global float *X, int x_off, int ldx,
+            const __global WTYPE *W,
+            const __global float *bias,
+            __global float *Y, int y_off, int ldy,
+            int T)
+{
+    const int n0 = get_global_id(0) * RPI;
+    MM_LOCALS
+    MM_EXIT_PAST_N
+    mm_rows(X + x_off, ldx, W, bias, Y + y_off, ldy, n0, N, T MM_LOCAL_ARGS);
+}
+#else
+/* matmul_cat: W is [W0; W1; W2] (N0, N1 and N - N0 - N1 rows), each read where
+ * it lies; with N1 undefined, [W0; W1] (N1 = N - N0; W2 unused). A work-item's
+ * rows lie in one matrix (N0 and N1 multiples of ROWS_PER_ITEM), and its sums
+ * are the ones matmul forms for that matrix alone: the same bits. */
+#ifndef N1
+#define N1 (N - N0)
+#endif
+#if N0 % RPI != 0 || N1 % RPI != 0 || N0 <= 0 || N1 <= 0 || N0 + N1 > N
+#error "matmul.cl: N0, N1 must be positive multiples of ROWS_PER_ITEM with N0 + N1 <= N"
+#endif
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void matmul_cat(const __global float *X, int x_off, int ldx,
+                const __global WTYPE *W0, const __global WTYPE *W1, const __global WTYPE *W2,
+                const __global float *bias0, const __global float *bias1, const __global float *bias2,
+                __global float *Y, int y_off, int ldy,
+                int T)
+{
+    int n0 = get_global_id(0) * RPI;
+    MM_LOCALS
+    MM_EXIT_PAST_N
+    const __global WTYPE *W = W0;
+    const __global float *bias = bias0;
+    int first = 0, nr = N0;
+    if (n0 >= N0 + N1) {
+        W = W2; bias = bias2; first = N0 + N1; nr = N - N0 - N1;
+    } else if (n0 >= N0) {
+        W = W1; bias = bias1; first = N0; nr = N1;
+    }
+    mm_rows(X + x_off, ldx, W, bias, Y + y_off + first, ldy, n0 - first, nr, T MM_LOCAL_ARGS);
+}
+#endif

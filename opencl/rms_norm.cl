@@ -8,11 +8,14 @@
  *     float eps)
  *
  * Macros: D (required) row length; HAS_WEIGHT multiply by w; WG (1) lanes per
- *   row (work-group size; lanes split the row and reduce in local memory).
+ *   row (work-group size; lanes split the row and reduce in local memory);
+ *   HEADS (1), LDX (HEADS * D), ROW_OFF (0): row r is head r % HEADS of token
+ *   r / HEADS, at X[ROW_OFF + (r / HEADS) * LDX + (r % HEADS) * D] (Y alike).
  * Launch: global = (WG, T), local = (WG, 1).
  *
  * Per-head norms (Qwen3 q/k norm) are this kernel with D = head_dim and
- * T = tokens * heads over a contiguous [T, heads, head_dim] tensor.
+ * T = tokens * heads: over a contiguous [T, heads, head_dim] tensor, or with
+ * HEADS, LDX and ROW_OFF over the q or k columns of a fused q|k|v buffer.
  * On the CPU one lane per row is best: a row is a few KB, already in cache.
  */
 
@@ -21,6 +24,15 @@
 #endif
 #ifndef WG
 #define WG 1
+#endif
+#ifndef HEADS
+#define HEADS 1
+#endif
+#ifndef LDX
+#define LDX (HEADS * D)
+#endif
+#ifndef ROW_OFF
+#define ROW_OFF 0
 #endif
 
 #define D8 (D / 8 * 8)
@@ -32,8 +44,9 @@ void rms_norm(const __global float *X, const __global float *w, __global float *
     const int t = get_global_id(1), lane = get_local_id(0);
     if (t >= T)
         return;
-    const __global float *x = X + (size_t)t * D;
-    __global float *y = Y + (size_t)t * D;
+    const size_t at = ROW_OFF + (size_t)(t / HEADS) * LDX + (size_t)(t % HEADS) * D;
+    const __global float *x = X + at;
+    __global float *y = Y + at;
 
     float8 acc = (float8)(0.0f);
     for (int i = lane * 8; i < D8; i += WG * 8) {

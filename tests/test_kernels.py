@@ -521,6 +521,99 @@ def test_matmul_views_and_token_split(env):
     assert_close(got, ref, 1e-5)
 
 
+CAT_CASES = [
+    # (row counts of the matrices, geometry, bias, accumulate): llama.loom's q|k|v at decode,
+    # a cohort tile, the wide prefill tile; gate|up (two matrices); one row per matrix
+    ((24, 8, 8), (1, 1, 8, 16), False, False),
+    ((24, 8, 8), (1, 4, 8, 16), True, False),
+    ((12, 4, 8), (4, 4, 8, 16), True, True),
+    ((20, 20), (1, 8, 8, 16), False, False),
+    ((1, 1, 1), (1, 2, 2, 8), True, False),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS + ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("case", range(len(CAT_CASES)))
+def test_matmul_cat_gives_each_matrix_its_own_bits(env, kind, case):
+    """matmul_cat over [W0; W1; W2] read where each lies (llama.loom's one q|k|v and gate|up
+    launch): every output column is the bits matmul gives for that matrix alone at the same
+    geometry, written side by side into a view of a wider buffer (y_off, ldy), and meets numpy."""
+    rows, geometry, has_bias, accumulate = CAT_CASES[case]
+    k = 512 if kind in KQUANTS else 96
+    mats = [kquant_weights(kind, n, k, 80 + i) if kind in KQUANTS else make_weights(kind, random_weights(80 + i, n, k))
+            for i, n in enumerate(rows)]
+    r = rng(90 + case)
+    biases = [r.standard_normal(n).astype(np.float32) for n in rows]
+    n_all = sum(rows)
+    rpi, tpi, wg, vw = geometry
+    macros = dict(K=k, N=n_all, N0=rows[0], ROWS_PER_ITEM=rpi, TOKENS_PER_ITEM=tpi, WG=wg, VW=vw,
+                  HAS_BIAS=has_bias, ACCUMULATE=accumulate, LUT=1, **{"WEIGHT_" + kind: True})
+    if len(rows) == 3:
+        macros["N1"] = rows[1]
+    prg = env.build("matmul", **macros)
+    for t in (1, 3, 19):
+        x = r.standard_normal((t, k)).astype(np.float32)
+        wide = r.standard_normal((t, n_all + 7)).astype(np.float32)      # y_off 5, two spare columns
+        yb = env.buf(wide)
+        ws = [env.buf(raw) for raw, _ in mats] + [None] * (3 - len(rows))
+        bs = [env.buf(b) for b in biases] + [None] * (3 - len(rows))
+        groups = -(-n_all // rpi)
+        env.run(prg.matmul_cat, (-(-groups // wg) * wg, 1), (wg, 1), env.buf(x), i32(0), i32(k),
+                *ws, *(bs if has_bias else [None] * 3), yb, i32(5), i32(n_all + 7), i32(t))
+        got = env.read(yb, wide.shape)
+        assert np.array_equal(got[:, :5], wide[:, :5]) and np.array_equal(got[:, 5 + n_all:], wide[:, 5 + n_all:])
+        col = 5
+        for (raw, ref), n, b in zip(mats, rows, biases):
+            y0 = wide[:, col:col + n].copy() if accumulate else None
+            alone = run_matmul(env, kind, n, k, x, raw, b if has_bias else None, y0, geometry, extra=dict(LUT=1))
+            assert np.array_equal(got[:, col:col + n].view(np.uint32), alone.view(np.uint32)), (n, t)
+            want = x.astype(np.float64) @ ref.T + (b if has_bias else 0.0) + (y0 if accumulate else 0.0)
+            assert_close(got[:, col:col + n], want, REL.get(kind, 1e-4))
+            col += n
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_matmul_cat_with_int8_activations(env, kind):
+    """ACT_Q8 (the package's int8_activations option) through matmul_cat: each matrix's
+    columns equal matmul's for it alone (work-groups straddling two matrices quantize the
+    same activations)."""
+    rows, k = (40, 24, 24), 96
+    mats = [make_weights(kind, random_weights(95 + i, n, k))[0] for i, n in enumerate(rows)]
+    x = rng(96).standard_normal((2, k)).astype(np.float32)
+    prg = env.build("matmul", K=k, N=sum(rows), N0=rows[0], N1=rows[1], ROWS_PER_ITEM=1, TOKENS_PER_ITEM=2,
+                    WG=64, ACT_Q8=True, **{"WEIGHT_" + kind: True})
+    yb = env.buf(np.full((2, sum(rows)), np.nan, np.float32))
+    env.run(prg.matmul_cat, (128, 1), (64, 1), env.buf(x), i32(0), i32(k), *[env.buf(m) for m in mats],
+            None, None, None, yb, i32(0), i32(sum(rows)), i32(2))
+    got = env.read(yb, (2, sum(rows)))
+    col = 0
+    for raw, n in zip(mats, rows):
+        alone = run_matmul(env, kind, n, k, x, raw, geometry=(1, 2, 64, 16), extra={"ACT_Q8": True})
+        assert np.array_equal(got[:, col:col + n], alone)
+        col += n
+
+
+def test_matmul_cat_rows_must_fit_the_tile(env):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=64, N=12, N0=6, ROWS_PER_ITEM=4, WEIGHT_F32=True)
+    assert "multiples of ROWS_PER_ITEM" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["Q4_K"])
+def test_matmul_more_accumulators_than_a_block_has_vectors(env, kind):
+    """ACCS 4 at VW 16 (llama.loom's decode): two blocks a loop step where K allows
+    (K % 64 == 0), the plain loop where it does not; numpy either way."""
+    for n, k in ((13, 896), (13, 96)) if kind not in KQUANTS else ((13, 512),):
+        if kind == "Q4_K":
+            wraw, wref = kquant_weights(kind, n, k, 97)
+        else:
+            wraw, wref = make_weights(kind, random_weights(97, n, k))
+        x = rng(98).standard_normal((2, k)).astype(np.float32)
+        for geometry in ((1, 1, 8, 16), (1, 1, 8, 8)):
+            got = run_matmul(env, kind, n, k, x[:1], wraw, geometry=geometry, extra=dict(ACCS=4, LUT=1))
+            assert_close(got, x[:1].astype(np.float64) @ wref.T, REL.get(kind, 1e-4))
+
+
 def test_matmul_missing_macro_is_a_build_error(env):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, WEIGHT_F32=True)
@@ -547,6 +640,27 @@ def test_rms_norm(env, d, wg, weighted):
     # in place
     env.run(prg.rms_norm, (wg, t), (wg, 1), xb, env.buf(w) if weighted else None, xb, i32(t), f32(eps))
     assert_close(env.read(xb, (t, d)), ref, 1e-5)
+
+
+@pytest.mark.parametrize("wg", [1, 4])
+def test_rms_norm_over_heads_of_wider_rows(env, wg):
+    """HEADS, LDX, ROW_OFF (llama.loom's Qwen3 q/k norms on q|k|v rows): head h of token t at
+    ROW_OFF + t*LDX + h*D is normed in place; every other element keeps its bits."""
+    d, heads, ldx, off, t, eps = 64, 3, 64 * 7 + 5, 64 * 2, 4, 1e-6
+    prg = env.build("rms_norm", D=d, WG=wg, HAS_WEIGHT=True, HEADS=heads, LDX=ldx, ROW_OFF=off)
+    r = rng(5)
+    x = (r.standard_normal((t, ldx)) * 3).astype(np.float32)
+    w = r.standard_normal(d).astype(np.float32)
+    ref = x.astype(np.float64).copy()
+    part = ref[:, off:off + heads * d].reshape(t, heads, d)
+    ref[:, off:off + heads * d] = (part / np.sqrt((part ** 2).mean(-1, keepdims=True) + eps) * w).reshape(t, -1)
+    xb = env.buf(x)
+    env.run(prg.rms_norm, (wg, t * heads), (wg, 1), xb, env.buf(w), xb, i32(t * heads), f32(eps))
+    got = env.read(xb, x.shape)
+    outside = np.ones(ldx, bool)
+    outside[off:off + heads * d] = False
+    assert np.array_equal(got[:, outside], x[:, outside])
+    assert_close(got, ref, 1e-5)
 
 
 @pytest.mark.parametrize("d,wg", [(384, 1), (37, 8)])
