@@ -424,14 +424,19 @@ class ExecPlan:
 
 
 def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None, on_submit=None, keep=(),
-              bound=None):
+              bound=None, runs=1, on_run=None):
     """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
     `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
     The loop only allocates and plans: the device's submission thread enqueues the
     copies and launches (device.submit) and a worker waits for the results, so the
     loop never blocks on the device, not even in a driver's enqueue. With
-    `after(buffers) -> (transfers, cleanup)` more work is queued behind the plan on
-    the submission thread (sampling), and its transfers are the step's results.
+    `after(buffers, run) -> (transfers, cleanup, feed)` more work is queued behind the
+    plan on the submission thread (sampling), and its transfers are the step's results.
+    With runs > 1 the plan runs that many times back to back, each run taking the
+    previous run's `feed` = (arrays uploaded over those inputs, name -> DeviceBuffer
+    bound in their place: the sampled ids as the next tokens), so the device goes on
+    without waiting for the host; on_run(run, values) gets every run's results but
+    the last's, on the loop, in order, as they complete (done gets the last's).
     on_submit() runs on the loop once the step is handed over (its deadline starts).
     Outputs named in `keep` stay on the device: their values are the DeviceBuffers,
     complete when done runs, which the caller releases. `bound` (name -> DeviceBuffer)
@@ -460,28 +465,53 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
         return
 
     def enqueue(plan):
-        """On the submission thread: nothing here waits for the device."""
-        for name, array in inputs.items():
-            device.upload_async(buffers[name], array)
-        event = plan.run(dict(buffers, **bound))
-        if after is not None:
-            return after(buffers)
-        return {name: (_Kept(event, buffers[name]) if name in keep else
-                       device.download_async(buffers[name], dtype, count))
-                for name, (dtype, count) in outputs.items()}, None
+        """On the submission thread: nothing here waits for the device. -> ([transfers of
+        each run], [cleanups])"""
+        arrays, on_device, results, cleanups = inputs, bound, [], []
+        try:
+            for run in range(runs):
+                for name, array in arrays.items():
+                    device.upload_async(buffers[name], array)
+                if arrays is not inputs:
+                    host.extend(arrays.values())      # alive until finish, as the first run's
+                event = plan.run(dict(buffers, **on_device))
+                if after is None:
+                    results.append({name: (_Kept(event, buffers[name]) if name in keep else
+                                           device.download_async(buffers[name], dtype, count))
+                                    for name, (dtype, count) in outputs.items()})
+                    continue
+                transfers, cleanup, feed = after(buffers, run)
+                results.append(transfers)
+                cleanups.append(cleanup)
+                if run + 1 < runs:
+                    arrays, more = feed
+                    on_device = dict(bound, **more)
+        except BaseException:
+            for cleanup in cleanups:
+                cleanup()
+            raise
+        return results, cleanups
 
     def enqueued(result, error):
         if error is not None:
             finish(None, error)
             return
-        transfers, cleanup = result
+        results, cleanups = result
+
+        def wait_all():
+            for run, transfers in enumerate(results):
+                values = {name: t.wait() for name, t in transfers.items()}
+                if run + 1 < len(results):
+                    loop.call_soon_threadsafe(on_run, run, values)
+            return values
 
         def waited(values, error):
-            if cleanup is not None:
-                cleanup()
+            for cleanup in cleanups:
+                if cleanup is not None:
+                    cleanup()
             finish(values, error)
 
-        loop.run_in_executor(lambda: {name: t.wait() for name, t in transfers.items()}, waited)
+        loop.run_in_executor(wait_all, waited)
 
     def planned(plan, error):
         if error is not None:

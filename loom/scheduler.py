@@ -14,7 +14,12 @@ so a long prompt never stalls decoding rows for more than one chunk), within
 a token budget. The package's `advance` command runs the cohort, the library
 sampler (opencl/sample.cl) picks each row's next token on the device, and
 only the token ids come back. One step is in flight at a time: each step's
-keys and values are the next step's context.
+keys and values are the next step's context. A cohort of decode rows only,
+with nothing waiting, runs several tokens ahead on the device (DECODE_RUNS
+runs of the step, each fed the ids the one before sampled, never leaving the
+device): the host's part of a step -- results back on the loop, tokens
+streamed, the next launch -- is paid once per cohort instead of once per token,
+with the same tokens.
 
 A row whose consumer is not ready (a slow reader) sits out until it is; a
 cancelled sequence leaves at the next step boundary and its pages go back to
@@ -46,6 +51,11 @@ log = logging.getLogger("loom.scheduler")
 
 
 CONTROL_QUEUE = 32      # checkpoint controls waiting for a deployment's control slot
+# Decode tokens a cohort of decode rows runs ahead before the host sees them: the
+# host's ~0.6 ms of a step (results to the loop, SSE, the next launch, bench/text.py's
+# serving overhead) paid once per DECODE_RUNS tokens; a request arriving meanwhile
+# waits at most that many steps for its first chunk.
+DECODE_RUNS = 4
 
 
 class Refused(Problem):
@@ -101,6 +111,7 @@ class CohortEngine:
         self.cohort = None           # the cohort in flight
         self.deadline = None
         self.running = None      # the native variant the step in flight runs (a consumer of it)
+        self.runs = 1            # device runs of the step in flight (its deadline scales with them)
         self.boundary = []       # callbacks waiting for no step to be in flight
         self.steps = 0           # cohorts run
         self.requests = 0        # requests that took part in them (a text row counts once per step)
@@ -145,7 +156,7 @@ class CohortEngine:
     def submitted(self):
         """The step in flight is on the device (run_stage's on_submit): its deadline starts."""
         if self.step_timeout and self.cohort is not None:
-            self.deadline = self.loop.call_later(self.step_timeout, self._expired, self.cohort)
+            self.deadline = self.loop.call_later(self.step_timeout * self.runs, self._expired, self.cohort)
 
     def _expired(self, cohort):
         """A device step that never retires (a kernel stuck at this geometry): every request
@@ -779,6 +790,7 @@ class TextEngine(CohortEngine):
         if self.stage == "encode":
             self._launch_encode(work, done)
             return
+        runs = self._decode_runs(work)      # (first: it may reserve pages the tables below hold)
         tokens, pos, row_of, last = [], [], [], []
         for row, ids in work:
             start = self.tables[row].length
@@ -807,10 +819,42 @@ class TextEngine(CohortEngine):
                 at += [seq.media.row(start + j) if row == imaged[0][0] else -1 for j in range(len(ids))]
             command, bound = "advance_media", {"features": seq.media.features.buffer}
             inputs["feature_at"] = np.array(at, np.int32)
+        seqs = [self.rows[row] for row in cohort_rows]
+        sample = self._sampler(R, params, seeds, inputs["pos"], runs)
+        self.runs = runs
         runtime.run_stage(self.prepared, self.loop, command, {"T": len(tokens), "R": R}, inputs,
-                          {"logits": (np.float32, R * self.vocab)}, done,
-                          after=lambda buffers: self._sample(buffers, R, params, seeds),
-                          on_submit=self.submitted, bound=bound)
+                          {"logits": (np.float32, R * self.vocab)},
+                          lambda values, error: done(values and dict(values, run=runs - 1, seqs=seqs), error),
+                          after=sample, on_submit=self.submitted, bound=bound, runs=runs,
+                          on_run=lambda run, values: self._ran(work, values["ids"], run, seqs))
+
+    def _ran(self, work, ids, run, seqs):
+        """A run before a cohort's last retired: its tokens go out now (not after a step
+        that expired: that cohort's rows have ended)."""
+        if self.cohort is work and not self.failed:
+            self._apply_ids(work, ids, run, seqs)
+
+    def _decode_runs(self, work):
+        """How many runs of this step go to the device at once (DECODE_RUNS for a cohort
+        of decode rows with nothing waiting and pages for the tokens ahead, else 1):
+        every row has that many tokens left, so no run samples past max_tokens."""
+        if self.stage != "advance" or self.waiting or DECODE_RUNS < 2:
+            return 1
+        runs = DECODE_RUNS
+        for row, ids in work:
+            seq = self.rows[row]
+            if len(ids) != 1 or seq.fed < len(seq.prompt) or seq.media is not None or seq.cancelled:
+                return 1
+            runs = min(runs, seq.max_tokens - len(seq.generated))
+        if runs < 2:
+            return 1
+        try:
+            for row, _ in work:
+                self.tables[row].reserve(self.tables[row].length + runs)
+        except OutOfPages:
+            return 1        # (pages reserved so far stay with their rows: their next tokens use them)
+        # the page tables uploaded for the first run serve them all
+        return runs
 
     @staticmethod
     def _imaged(seq, n):
@@ -834,32 +878,39 @@ class TextEngine(CohortEngine):
         runtime.run_stage(self.prepared, self.loop, "encode", {"T": len(tokens)}, inputs,
                           {"out": (np.uint8, len(tokens) * self.out_bytes)}, done, on_submit=self.submitted)
 
-    def _sample(self, buffers, R, params, seeds):
-        """On the submission thread, after `advance` on the same in-order queue: logits ->
-        token ids on the device. -> ({"ids": transfer}, cleanup) for run_stage."""
+    def _sampler(self, R, params, seeds, pos, runs):
+        """run_stage's `after`: on the submission thread, behind each run of `advance` on
+        the same in-order queue, logits -> token ids on the device (seeds count the row's
+        tokens, so run r samples as a step of its own would). -> (transfers, cleanup, feed):
+        the next run's positions, and these ids as its tokens (cohort rows are its tokens)."""
         device = self.prepared.device
         pool = device.pool
         owner = self.prepared.name
-        extra = {}
 
-        def release():
-            for buf in extra.values():
-                buf.release()
+        def sample(buffers, run):
+            extra = {}
 
-        try:
-            extra["params"] = pool.alloc(params.nbytes, owner, "workspace", host=params)
-            extra["seeds"] = pool.alloc(seeds.nbytes, owner, "workspace", host=seeds)
-            extra["work"] = pool.alloc(4 * R * self.vocab, owner, "workspace")
-            extra["ids"] = pool.alloc(4 * R, owner, "workspace")
-        except BaseException:
-            release()
-            raise
-        kernel = self.sample_kernel
-        kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
-                        extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
-        device.launch(kernel, (R,), (1,))   # a row per work-group: rows spread over cores
-        transfer = device.download_async(extra["ids"], np.int32, R)
-        return {"ids": transfer}, release
+            def release():
+                for buf in extra.values():
+                    buf.release()
+
+            try:
+                counted = seeds + np.array([0, run], np.uint32)
+                extra["params"] = pool.alloc(params.nbytes, owner, "workspace", host=params)
+                extra["seeds"] = pool.alloc(counted.nbytes, owner, "workspace", host=counted)
+                extra["work"] = pool.alloc(4 * R * self.vocab, owner, "workspace")
+                extra["ids"] = pool.alloc(4 * R, owner, "workspace")
+            except BaseException:
+                release()
+                raise
+            kernel = self.sample_kernel
+            kernel.set_args(buffers["logits"].buffer, np.int32(0), np.int32(self.vocab), extra["params"].buffer,
+                            extra["seeds"].buffer, extra["work"].buffer, extra["ids"].buffer, np.int32(R))
+            device.launch(kernel, (R,), (1,))   # a row per work-group: rows spread over cores
+            transfer = device.download_async(extra["ids"], np.int32, R)
+            feed = ({"pos": pos + (run + 1)}, {"tokens": extra["ids"]}) if run + 1 < runs else None
+            return {"ids": transfer}, release, feed
+        return sample
 
     def apply(self, work, values, error):
         if error is not None:
@@ -872,9 +923,16 @@ class TextEngine(CohortEngine):
         if self.stage == "encode":
             self._encoded(work, values["out"])
             return
-        ids = values["ids"]
+        self._apply_ids(work, values["ids"], values.get("run", 0), values.get("seqs"))
+
+    def _apply_ids(self, work, ids, run, seqs):
+        """Run `run` of a cohort's step retired: its tokens, row by row. From the second
+        run on, a row whose sequence left at an earlier run (stop, length) is skipped:
+        what that run computed for it is past its kept length, never read."""
         for i, (row, fed) in enumerate(work):
             seq = self.rows[row]
+            if run and seq is not seqs[i]:
+                continue
             self.tables[row].length += len(fed)
             if seq is None:
                 continue

@@ -127,6 +127,63 @@ def test_stop_tokens_cancellation_and_backpressure(model):
     loop.close()
 
 
+@pytest.fixture(scope="module")
+def llama_model(device, tmp_path_factory):  # noqa: F811
+    """An untied head: greedy and sampled tokens that vary (qwen2's tied head mostly repeats)."""
+    prepared, weights = prepared_model(device, tmp_path_factory.mktemp("l"), "llama", "F32", 5, PAGES, CTX)
+    yield prepared, weights
+    prepared.release()
+
+
+def test_decode_runs_ahead_on_the_device_with_the_tokens_of_single_steps(llama_model, monkeypatch):
+    """A cohort of decode rows runs DECODE_RUNS tokens ahead, each run fed the ids the one
+    before sampled: the same tokens (greedy, seeded sampling) as one token a step, rows that
+    stop or reach max_tokens in the middle of a cohort keep no token past that, an owner's
+    stop (a stop string) ends its row at once, and every page comes back."""
+    import loom.scheduler as scheduler
+    prepared, weights = llama_model
+    want, _ = greedy_reference(weights, "llama", [5, 6, 7], 12)
+    outcomes, cohorts = {}, {}
+    for runs in (1, 4):
+        monkeypatch.setattr(scheduler, "DECODE_RUNS", runs)
+        loop = Loop(2)
+        engine = TextEngine(prepared, loop, rows=4, pages=PAGES, page_size=PAGE)
+        launched = []
+        original = engine.launch
+
+        def spy(work, done, original=original, launched=launched, engine=engine):
+            original(work, done)
+            launched.append(engine.runs)
+
+        engine.launch = spy
+        greedy = Sequence([5, 6, 7], max_tokens=11)
+        sampled = Sequence([9, 8, 7, 6], max_tokens=9, temperature=2.0, seed=77)
+        stopper = Sequence([5, 6, 7], max_tokens=20, stop_ids={want[5]})
+        owner = Sequence([1, 2, 3], max_tokens=20, session="owner")
+        owner.on_token = lambda token: len(owner.generated) == 6 and engine.stop(owner)
+        seqs = [greedy, sampled, stopper, owner]
+        for seq in seqs:
+            engine.submit(seq)
+        run_all(engine, loop, seqs)
+        outcomes[runs] = [(s.generated, s.finish_reason) for s in seqs]
+        cohorts[runs] = launched
+        assert greedy.generated == want[:11] and greedy.finish_reason == "length"
+        assert stopper.generated == want[:want.index(want[5]) + 1] and stopper.finish_reason == "stop"
+        assert len(owner.generated) == 6 and owner.finish_reason == "stop"
+        assert len(sampled.generated) == 9
+        for _ in range(20):
+            tick(loop)
+        # an idle row's kept length is its kept conversation (a named one took its pages along)
+        assert [t.length for t in engine.tables] == [len(h or ()) for h in engine.history]
+        assert engine.sessions["owner"].tokens == owner.prompt + owner.generated[:-1 if runs == 1 else None]
+        engine.release_idle()
+        assert engine.rows == [None] * 4 and engine.pool.available == PAGES
+        loop.close()
+    assert outcomes[4] == outcomes[1]
+    assert set(cohorts[1]) == {1} and max(cohorts[4]) == 4       # it did run ahead...
+    assert len(cohorts[4]) < len(cohorts[1])                      # ...in fewer host round trips
+
+
 def test_a_row_whose_client_is_gone_as_it_starts_retires_at_once(model):
     """Issue 15.1 (the soak's find): a stream that fails as it opens cancels its sequence
     from inside the cohort's forming; the row must still retire, with nothing else arriving."""
