@@ -21,6 +21,18 @@
  *   kv heads): two builds with different N_HEADS.
  * Launch: global = (ROPE_DIMS / 2, T), local = any (NULL). Each work-item
  *   computes one angle and rotates that pair in every head.
+ *
+ * kernel rope_store(X, x_off, ldx, pos, T, theta, freq_scale,
+ *     int v_off,                               v head g of token t at
+ *                                              X[x_off + t*ldx + v_off + g*HEAD_DIM]
+ *     __global KV_T *Kc, __global KV_T *Vc, int layer_off,
+ *     const __global int *row_of, const __global int *page_table)
+ * rope, then the rotated keys (the last N_KV_HEADS of the N_HEADS heads) and the
+ * values into the paged cache exactly as kv_store.cl stores them (its layout,
+ * KV_F16 and skips: a position outside the page table or an unmapped page
+ * stores nothing): one launch where a decoder ran two. Macros as rope's plus
+ * N_KV_HEADS, PAGE_SIZE, MAX_PAGES (KV_F16); ROPE_DIMS == HEAD_DIM, so every
+ * dimension of a head is some work-item's pair.
  */
 
 #ifndef N_HEADS
@@ -39,21 +51,30 @@
 #error "rope.cl: ROPE_DIMS must be even and <= HEAD_DIM"
 #endif
 
+/* pair i's cosine and sine at position p (c through *c) */
+inline float rope_angle(int i, int p, float theta, float freq_scale, float *c)
+{
+    const float inv_freq = pow(theta, -2.0f * (float)i / (float)ROPE_DIMS);
+    return sincos((float)p * freq_scale * inv_freq, c);
+}
+
+#ifdef ROPE_NEOX
+#define ROPE_IA(i) (i)
+#define ROPE_IB(i) ((i) + ROPE_DIMS / 2)
+#else
+#define ROPE_IA(i) (2 * (i))
+#define ROPE_IB(i) (2 * (i) + 1)
+#endif
+
 __kernel void rope(__global float *X, int x_off, int ldx, const __global int *pos,
                    int T, float theta, float freq_scale)
 {
     const int i = get_global_id(0), t = get_global_id(1);
     if (i >= ROPE_DIMS / 2 || t >= T)
         return;
-    const float inv_freq = pow(theta, -2.0f * (float)i / (float)ROPE_DIMS);
-    const float angle = (float)pos[t] * freq_scale * inv_freq;
     float c;
-    const float s = sincos(angle, &c);
-#ifdef ROPE_NEOX
-    const int ia = i, ib = i + ROPE_DIMS / 2;
-#else
-    const int ia = 2 * i, ib = 2 * i + 1;
-#endif
+    const float s = rope_angle(i, pos[t], theta, freq_scale, &c);
+    const int ia = ROPE_IA(i), ib = ROPE_IB(i);
     __global float *x = X + x_off + (size_t)t * ldx;
     for (int h = 0; h < N_HEADS; h++) {
         float a = x[h * HEAD_DIM + ia], b = x[h * HEAD_DIM + ib];
@@ -61,3 +82,48 @@ __kernel void rope(__global float *X, int x_off, int ldx, const __global int *po
         x[h * HEAD_DIM + ib] = a * s + b * c;
     }
 }
+
+#if defined(N_KV_HEADS) && defined(PAGE_SIZE) && defined(MAX_PAGES)
+#if ROPE_DIMS != HEAD_DIM || N_KV_HEADS > N_HEADS
+#error "rope.cl: rope_store needs ROPE_DIMS == HEAD_DIM and N_KV_HEADS <= N_HEADS"
+#endif
+#ifdef KV_F16
+#define KV_T half
+#define KV_PUT(v, p) vstore_half_rte((v), 0, (p))
+#else
+#define KV_T float
+#define KV_PUT(v, p) (*(p) = (v))
+#endif
+#define KV_ROW (N_KV_HEADS * HEAD_DIM)
+
+__kernel void rope_store(__global float *X, int x_off, int ldx, const __global int *pos,
+                         int T, float theta, float freq_scale, int v_off,
+                         __global KV_T *Kc, __global KV_T *Vc, int layer_off,
+                         const __global int *row_of, const __global int *page_table)
+{
+    const int i = get_global_id(0), t = get_global_id(1);
+    if (i >= ROPE_DIMS / 2 || t >= T)
+        return;
+    const int p = pos[t];
+    float c;
+    const float s = rope_angle(i, p, theta, freq_scale, &c);
+    const int ia = ROPE_IA(i), ib = ROPE_IB(i);
+    const int page = p < 0 || p >= MAX_PAGES * PAGE_SIZE ? -1
+                     : page_table[(size_t)row_of[t] * MAX_PAGES + p / PAGE_SIZE];
+    const size_t dst = page < 0 ? 0 : (size_t)layer_off + ((size_t)page * PAGE_SIZE + p % PAGE_SIZE) * KV_ROW;
+    __global float *x = X + x_off + (size_t)t * ldx;
+    for (int h = 0; h < N_HEADS; h++) {
+        float a = x[h * HEAD_DIM + ia], b = x[h * HEAD_DIM + ib];
+        const float ra = a * c - b * s, rb = a * s + b * c;
+        x[h * HEAD_DIM + ia] = ra;
+        x[h * HEAD_DIM + ib] = rb;
+        const int g = h - (N_HEADS - N_KV_HEADS);
+        if (g >= 0 && page >= 0) {
+            KV_PUT(ra, Kc + dst + g * HEAD_DIM + ia);
+            KV_PUT(rb, Kc + dst + g * HEAD_DIM + ib);
+            KV_PUT(x[v_off + g * HEAD_DIM + ia], Vc + dst + g * HEAD_DIM + ia);
+            KV_PUT(x[v_off + g * HEAD_DIM + ib], Vc + dst + g * HEAD_DIM + ib);
+        }
+    }
+}
+#endif

@@ -759,6 +759,51 @@ def test_rope(env, head_dim, neox, rope_dims):
     assert np.array_equal(got[:, (nq + nkv) * head_dim:], qkv[:, (nq + nkv) * head_dim:])  # V untouched
 
 
+@pytest.mark.parametrize("neox,kv_f16", [(False, False), (True, False), (True, True)])
+def test_rope_store_is_rope_then_kv_store(env, neox, kv_f16):
+    """rope_store (one launch) leaves q|k|v rows and the paged cache with the bits that
+    rope over the q and k heads followed by kv_store leave: the rotated keys and the
+    values where kv_store puts them, nothing stored for a position past the page
+    table, a negative one or an unmapped page, and other cache entries untouched."""
+    nq, nkv, dh, page, max_pages, n_pages = 14, 2, 64, 16, 4, 8
+    kv_row, width = nkv * dh, (nq + 2 * nkv) * dh + 3
+    r = rng(77 + neox + 2 * kv_f16)
+    t = 7
+    qkv = r.standard_normal((t, width)).astype(np.float32)
+    pos = np.array([0, 5, 17, 63, -1, 64, 40], np.int32)        # -1 and 64: outside the table
+    row_of = np.array([0, 1, 0, 1, 0, 1, 1], np.int32)
+    table = np.array([[3, 5, -1, 0], [1, 7, 2, 6]], np.int32)   # row 0's third page unmapped
+    pos[2] = 33                                                  # row 0, page 2: unmapped
+    store_t = np.float16 if kv_f16 else np.float32
+    pool = np.full(2 * n_pages * page * kv_row, 7.0, store_t)
+    layer_off = n_pages * page * kv_row                          # the second layer
+    theta, fs = 1e6, 1.0
+    flags = dict(ROPE_NEOX=neox, ROPE_NORMAL=not neox)
+    cache = dict(PAGE_SIZE=page, N_KV_HEADS=nkv, HEAD_DIM=dh, MAX_PAGES=max_pages, KV_F16=kv_f16)
+
+    x1, k1, v1 = env.buf(qkv), env.buf(pool), env.buf(pool)
+    rope = env.build("rope", N_HEADS=nq + nkv, HEAD_DIM=dh, **flags).rope
+    env.run(rope, (dh // 2, t), None, x1, i32(0), i32(width), env.buf(pos), i32(t), f32(theta), f32(fs))
+    store = env.build("kv_store", **cache).kv_store
+    env.run(store, (kv_row, t), None, x1, i32(nq * dh), i32(width), x1, i32((nq + nkv) * dh), i32(width),
+            k1, v1, i32(layer_off), env.buf(pos), env.buf(row_of), env.buf(table), i32(t))
+
+    x2, k2, v2 = env.buf(qkv), env.buf(pool), env.buf(pool)
+    fused = env.build("rope", N_HEADS=nq + nkv, **cache, **flags).rope_store
+    env.run(fused, (dh // 2, t), None, x2, i32(0), i32(width), env.buf(pos), i32(t), f32(theta), f32(fs),
+            i32((nq + nkv) * dh), k2, v2, i32(layer_off), env.buf(row_of), env.buf(table))
+
+    assert np.array_equal(env.read(x2, qkv.shape), env.read(x1, qkv.shape))
+    got_k, want_k = env.read(k2, pool.shape, store_t), env.read(k1, pool.shape, store_t)
+    got_v, want_v = env.read(v2, pool.shape, store_t), env.read(v1, pool.shape, store_t)
+    assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
+    # exactly the 4 tokens with a mapped page stored, each a full k and v row
+    assert (got_k != 7.0).sum() <= 4 * kv_row and (got_v != 7.0).sum() == 4 * kv_row
+    rotated = rope_ref(qkv[:, None, nq * dh:(nq + 1) * dh].astype(np.float64), pos, theta, fs, dh, neox)
+    dst = layer_off + (table[1, 0] * page + 5) * kv_row                 # token 1: row 1, position 5
+    assert_close(got_k[dst:dst + dh].astype(np.float64), rotated[1, 0], 1e-3 if kv_f16 else 2e-5)
+
+
 # ---------------------------------------------------------------- softmax
 
 @pytest.mark.parametrize("d,wg,scale", [(37, 1, 1.0), (1000, 4, 0.125), (8, 1, -2.0)])
