@@ -184,6 +184,49 @@ def test_decode_runs_ahead_on_the_device_with_the_tokens_of_single_steps(llama_m
     assert len(cohorts[4]) < len(cohorts[1])                      # ...in fewer host round trips
 
 
+def test_a_run_that_fails_to_enqueue_ends_the_stage_once(llama_model):
+    """run_stage with runs: the runs before a failing one still report (on_run, in order),
+    then done gets the error exactly once, and every buffer of the stage is released; a
+    failure of the first run ends it the same way with no run reported."""
+    from loom import runtime
+    prepared, _ = llama_model
+    device = prepared.device
+    table = np.arange(prepared.spec("MAX_PAGES"), dtype=np.int32)
+    inputs = {"tokens": np.array([5], np.int32), "pos": np.array([0], np.int32),
+              "row_of": np.array([0], np.int32), "pages": table, "last": np.array([0], np.int32)}
+    for fail_at in (None, 2, 0):
+        loop = Loop(2)
+        before = device.pool.usage()     # (after the first pass: the plan holds its scratch)
+        reported, ended = [], []
+
+        def after(buffers, run, fail_at=fail_at):
+            if run == fail_at:
+                raise RuntimeError(f"run {run} could not be enqueued")
+            ids = device.pool.alloc(4, prepared.name, "workspace", host=np.array([7], np.int32))
+            transfer = device.download_async(ids, np.int32, 1)
+            return {"ids": transfer}, ids.release, ({"pos": inputs["pos"] + run + 1}, {"tokens": ids})
+
+        runtime.run_stage(prepared, loop, "advance", {"T": 1, "R": 1}, inputs,
+                          {"logits": (np.float32, prepared.spec("V"))},
+                          lambda values, error: ended.append((values, error)), after=after, runs=4,
+                          on_run=lambda run, values: reported.append((run, int(values["ids"][0]))))
+        deadline = time.monotonic() + 60
+        while not ended and time.monotonic() < deadline:
+            tick(loop)
+        for _ in range(5):
+            tick(loop)
+        loop.close()
+        if fail_at is None:      # all four ran: the last through done
+            assert reported == [(0, 7), (1, 7), (2, 7)] and len(ended) == 1 and ended[0][1] is None
+            assert ended[0][0]["ids"][0] == 7
+            continue
+        assert reported == [(r, 7) for r in range(fail_at)]
+        assert len(ended) == 1 and ended[0][0] is None
+        assert str(ended[0][1]) == f"run {fail_at} could not be enqueued"
+        now = device.pool.usage()
+        assert now["buffers"] - now["cached_buffers"] == before["buffers"] - before["cached_buffers"]
+
+
 def test_a_row_whose_client_is_gone_as_it_starts_retires_at_once(model):
     """Issue 15.1 (the soak's find): a stream that fails as it opens cancels its sequence
     from inside the cohort's forming; the row must still retire, with nothing else arriving."""
