@@ -18,7 +18,6 @@ import collections
 import itertools
 import math
 import os
-import queue
 import threading
 import time
 
@@ -465,59 +464,54 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
         finish(None, e)
         return
 
-    queued = queue.SimpleQueue()     # each run's transfers, as the submission thread enqueues it
-    cleanups = []
-
     def enqueue(plan):
-        """On the submission thread: nothing here waits for the device. Each run's
-        transfers are queued as soon as the run is, and the first starts the wait, so
-        the first runs' results come back while later runs are still being enqueued."""
-        arrays, on_device = inputs, bound
-        for run in range(runs):
-            try:
+        """On the submission thread: nothing here waits for the device. -> ([transfers of
+        each run], [cleanups])"""
+        arrays, on_device, results, cleanups = inputs, bound, [], []
+        try:
+            for run in range(runs):
                 for name, array in arrays.items():
                     device.upload_async(buffers[name], array)
                 if arrays is not inputs:
                     host.extend(arrays.values())      # alive until finish, as the first run's
                 event = plan.run(dict(buffers, **on_device))
                 if after is None:
-                    transfers = {name: (_Kept(event, buffers[name]) if name in keep else
-                                        device.download_async(buffers[name], dtype, count))
-                                 for name, (dtype, count) in outputs.items()}
-                else:
-                    transfers, cleanup, feed = after(buffers, run)
-                    cleanups.append(cleanup)
-                    if run + 1 < runs:
-                        arrays, more = feed
-                        on_device = dict(bound, **more)
-            except BaseException as e:
-                if run == 0:
-                    raise               # nothing waits yet: enqueued() ends the stage
-                queued.put(e)           # the wait ends it, after the runs before
-                return
-            queued.put(transfers)
-            if run == 0:
-                loop.call_soon_threadsafe(loop.run_in_executor, wait_all, waited)
-
-    def wait_all():
-        for run in range(runs):
-            transfers = queued.get()
-            if isinstance(transfers, BaseException):
-                raise transfers
-            values = {name: t.wait() for name, t in transfers.items()}
-            if run + 1 < runs:
-                loop.call_soon_threadsafe(on_run, run, values)
-        return values
-
-    def waited(values, error):
-        for cleanup in cleanups:      # (complete: each is listed before its run is queued)
-            if cleanup is not None:
+                    results.append({name: (_Kept(event, buffers[name]) if name in keep else
+                                           device.download_async(buffers[name], dtype, count))
+                                    for name, (dtype, count) in outputs.items()})
+                    continue
+                transfers, cleanup, feed = after(buffers, run)
+                results.append(transfers)
+                cleanups.append(cleanup)
+                if run + 1 < runs:
+                    arrays, more = feed
+                    on_device = dict(bound, **more)
+        except BaseException:
+            for cleanup in cleanups:
                 cleanup()
-        finish(values, error)
+            raise
+        return results, cleanups
 
     def enqueued(result, error):
-        if error is not None:         # the first run failed to enqueue: no wait began
+        if error is not None:
             finish(None, error)
+            return
+        results, cleanups = result
+
+        def wait_all():
+            for run, transfers in enumerate(results):
+                values = {name: t.wait() for name, t in transfers.items()}
+                if run + 1 < len(results):
+                    loop.call_soon_threadsafe(on_run, run, values)
+            return values
+
+        def waited(values, error):
+            for cleanup in cleanups:
+                if cleanup is not None:
+                    cleanup()
+            finish(values, error)
+
+        loop.run_in_executor(wait_all, waited)
 
     def planned(plan, error):
         if error is not None:
