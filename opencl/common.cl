@@ -424,6 +424,38 @@ inline void loom_q6_k_scales(const __global uchar *blk, int j, float *ds, float 
     }
 }
 
+/* A whole superblock's scales at once, ds[2j + h] and ms[2j + h] for chunk j's
+ * elements 16h .. 16h + 15: the values of the per-chunk helpers above, bit for
+ * bit (the same products of the same operands), decoded as vectors. A decode
+ * matvec unpacks each superblock once, so eight scalar chunk decodes per
+ * superblock cost as much as its quants did (Q3_K's scattered bits keep the
+ * per-chunk path). */
+#define LOOM_PAIRS16(v) (float16)((v).s0, (v).s0, (v).s1, (v).s1, (v).s2, (v).s2, (v).s3, (v).s3, \
+                                  (v).s4, (v).s4, (v).s5, (v).s5, (v).s6, (v).s6, (v).s7, (v).s7)
+inline void loom_q2_k_scales16(const __global uchar *blk, float16 *ds, float16 *ms)
+{
+    const uchar16 s = loom_ld_uchar16(blk);
+    const float d = loom_block_scale_finite(blk + 80), dmin = loom_block_scale_finite(blk + 82);
+    *ds = d * convert_float16(s & (uchar)15);
+    *ms = -(dmin * convert_float16(s >> (uchar)4));
+}
+inline void loom_q4_k_scales16(const __global uchar *blk, float16 *ds, float16 *ms)
+{
+    const uchar4 lo = loom_ld_uchar4(blk + 4), mid = loom_ld_uchar4(blk + 8), hi = loom_ld_uchar4(blk + 12);
+    const uchar8 sc = (uchar8)(lo & (uchar)63, (hi & (uchar)15) | (lo >> (uchar)6) << (uchar)4);
+    const uchar8 m = (uchar8)(mid & (uchar)63, (hi >> (uchar)4) | (mid >> (uchar)6) << (uchar)4);
+    const float8 d = loom_block_scale_finite(blk) * convert_float8(sc);
+    const float8 mn = -(loom_block_scale_finite(blk + 2) * convert_float8(m));
+    *ds = LOOM_PAIRS16(d);
+    *ms = LOOM_PAIRS16(mn);
+}
+#define loom_q5_k_scales16 loom_q4_k_scales16
+inline void loom_q6_k_scales16(const __global uchar *blk, float16 *ds, float16 *ms)
+{
+    *ds = loom_block_scale_finite(blk + 208) * convert_float16(loom_ld_char16((const __global char *)blk + 192));
+    *ms = -32.0f * *ds;
+}
+
 /* Scalar element i of a K-quant row. */
 #define LOOM_DEF_KQ_AT(t, BYTES)                                                 \
     inline float loom_##t##_at(const __global uchar *row, int i)                 \

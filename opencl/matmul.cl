@@ -130,11 +130,19 @@ inline float16 mm_lut16(float16 t, uint16 i)
     return (float16)(t[i.s0], t[i.s1], t[i.s2], t[i.s3], t[i.s4], t[i.s5], t[i.s6], t[i.s7],
                      t[i.s8], t[i.s9], t[i.sa], t[i.sb], t[i.sc], t[i.sd], t[i.se], t[i.sf]);
 }
-/* 5-bit quants: lane j takes hi's entry where bit j of h (its fifth bit) is set */
-inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
+/* 5-bit quants: lo holds the values whose fifth bit is clear; lane j adds 16 d
+ * where bit j of its half's bits (lane bit j, or j + 16 for elements 16..31) of h
+ * is set: (u - 16) d + 16 d = u d exactly (both products fit float's mantissa),
+ * the value a second table would give, for one masked add instead of a second
+ * lookup and a blend. */
+#define MM_Q5_BITS(c) ((c) < 16 ? (uint16)(1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7, \
+                                           1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15) \
+                                : (uint16)(1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21, 1u << 22, 1u << 23, \
+                                           1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31))
+inline float16 mm_lut16_q5(float16 lo, float d16, uint16 i, uint h, uint16 bits)
 {
-    int16 top = as_int16((uint16)h << (uint16)(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16));
-    return select(mm_lut16(lo, i), mm_lut16(hi, i), top);
+    const float16 t = mm_lut16(lo, i);
+    return select(t, t + d16, ((uint16)h & bits) != (uint16)0);
 }
 /* a block's 16 quant bytes widened to uint lanes: the low nibbles feed elements
  * 0..15, the same lanes >> 4 elements 16..31 */
@@ -170,11 +178,11 @@ inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
 #define ROW_STRIDE ((size_t)(K / LOOM_QK) * LOOM_Q5_0_BYTES)
 #define WBLK(r, kb) (wrow[r] + ((kb) / LOOM_QK) * LOOM_Q5_0_BYTES)
 #ifdef MM_LUT
-#define WSCALE_DECL float16 tlo[RPI], thi[RPI]; uint16 qb[RPI]; uint qh[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { \
+#define WSCALE_DECL float16 tlo[RPI]; float d16[RPI]; uint16 qb[RPI]; uint qh[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { \
     const float d_ = MM_SCALE(WBLK(r, kb)); \
-    tlo[r] = (MM_IOTA16F - 16.0f) * d_; thi[r] = MM_IOTA16F * d_; \
+    tlo[r] = (MM_IOTA16F - 16.0f) * d_; d16[r] = 16.0f * d_; \
     qh[r] = loom_q5_high(WBLK(r, kb), 2); qb[r] = MM_QB(WBLK(r, kb) + 6); }
-#define WLOAD(r, kb, c) mm_lut16_q5(tlo[r], thi[r], MM_NIB(qb[r], c), (c) < 16 ? qh[r] : qh[r] >> 16)
+#define WLOAD(r, kb, c) mm_lut16_q5(tlo[r], d16[r], MM_NIB(qb[r], c), qh[r], MM_Q5_BITS(c))
 #else
 #define WSCALE_DECL float d[RPI], m[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) { d[r] = MM_SCALE(WBLK(r, kb)); m[r] = -16.0f * d[r]; }
 #define WLOAD(r, kb, c) (LOOM_CAT(loom_q5_u, VW)(WBLK(r, kb), 6, 2, (c)) * d[r] + m[r])
@@ -188,6 +196,7 @@ inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
 #elif defined(WEIGHT_Q2_K)
 #define KQ_BYTES LOOM_Q2_K_BYTES
 #define KQ_SCALES loom_q2_k_scales
+#define KQ_SCALES16 loom_q2_k_scales16
 #define KQ_U LOOM_CAT(loom_q2_k_u, VW)
 #elif defined(WEIGHT_Q3_K)
 #define KQ_BYTES LOOM_Q3_K_BYTES
@@ -196,14 +205,17 @@ inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
 #elif defined(WEIGHT_Q4_K)
 #define KQ_BYTES LOOM_Q4_K_BYTES
 #define KQ_SCALES loom_q4_k_scales
+#define KQ_SCALES16 loom_q4_k_scales16
 #define KQ_U LOOM_CAT(loom_q4_k_u, VW)
 #elif defined(WEIGHT_Q5_K)
 #define KQ_BYTES LOOM_Q5_K_BYTES
 #define KQ_SCALES loom_q5_k_scales
+#define KQ_SCALES16 loom_q5_k_scales16
 #define KQ_U LOOM_CAT(loom_q5_k_u, VW)
 #elif defined(WEIGHT_Q6_K)
 #define KQ_BYTES LOOM_Q6_K_BYTES
 #define KQ_SCALES loom_q6_k_scales
+#define KQ_SCALES16 loom_q6_k_scales16
 #define KQ_U LOOM_CAT(loom_q6_k_u, VW)
 #elif defined(WEIGHT_Q4_1)
 #define WTYPE uchar
@@ -229,8 +241,12 @@ inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
 
 #ifdef KQ_BYTES
 /* K-quants, one path for all five: chunk kj = (kb - kb0) / 32 of the superblock at
- * kb0; each step decodes that chunk's scales once per row, then u * ds + ms as one
- * fma per lane (ds, ms per 16-element half: VW <= 16 lanes never straddle two). */
+ * kb0; each step takes that chunk's scales per row, then u * ds + ms as one fma
+ * per lane (ds, ms per 16-element half: VW <= 16 lanes never straddle two). Tiles
+ * of two or more rows decode a superblock's scales once, as vectors (MM_SB_DECL,
+ * KQ_SCALES16: the same values): Q4_K 4x4 tiles 1.17-1.35x; one-row tiles ran
+ * the same at T = 1 and 10-13% slower at T = 4 (opencl/README.md). dequantize
+ * and Q3_K decode them chunk by chunk. */
 #define WTYPE uchar
 #undef KBLOCK
 #define KBLOCK LOOM_QK_K
@@ -239,9 +255,20 @@ inline float16 mm_lut16_q5(float16 lo, float16 hi, uint16 i, uint h)
 #define WSCALE_DECL const int kj = ((kb) - kb0) / KSTEP; float ds[RPI][2], ms[RPI][2]; \
     _Pragma("unroll") for (int r = 0; r < RPI; r++) KQ_SCALES(WBLK(r, kb), kj, ds[r], ms[r]);
 #define WLOAD(r, kb, c) (LOOM_CAT(convert_float, VW)(KQ_U(WBLK(r, kb), kj, (c))) * ds[r][(c) / 16] + ms[r][(c) / 16])
+#if defined(KQ_SCALES16) && RPI >= 2
+#define MM_SB_DECL float16 sbd[RPI], sbm[RPI]; _Pragma("unroll") for (int r = 0; r < RPI; r++) KQ_SCALES16(WBLK(r, kb0), &sbd[r], &sbm[r]);
+#define MM_WSCALE_DECL const int kj = ((kb) - kb0) / KSTEP; float ds[RPI][2], ms[RPI][2]; \
+    _Pragma("unroll") for (int r = 0; r < RPI; r++) { ds[r][0] = sbd[r][2 * kj]; ds[r][1] = sbd[r][2 * kj + 1]; \
+                                                      ms[r][0] = sbm[r][2 * kj]; ms[r][1] = sbm[r][2 * kj + 1]; }
+#endif
 #if K % LOOM_QK_K != 0
 #error "matmul.cl: K-quant weights need K % 256 == 0"
 #endif
+#endif
+
+#ifndef MM_SB_DECL
+#define MM_SB_DECL
+#define MM_WSCALE_DECL WSCALE_DECL
 #endif
 
 #if !defined(WEIGHT_F32) && !defined(WEIGHT_F16) && K % LOOM_QK != 0
@@ -309,9 +336,10 @@ __attribute__((always_inline)) inline void mm_tile(
                 acc[r][j][a] = (VF)(0.0f);
 
     for (int kb0 = 0; kb0 < K_MAIN; kb0 += MM_KBLOCK) {
+        MM_SB_DECL
         #pragma unroll
         for (int kb = kb0; kb < kb0 + MM_KBLOCK; kb += KSTEP) {
-            WSCALE_DECL
+            MM_WSCALE_DECL
             #pragma unroll
             for (int c = 0; c < KSTEP; c += VW) {
                 VF w[RPI];
