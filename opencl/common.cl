@@ -426,10 +426,9 @@ inline void loom_q6_k_scales(const __global uchar *blk, int j, float *ds, float 
 
 /* A whole superblock's scales at once, ds[2j + h] and ms[2j + h] for chunk j's
  * elements 16h .. 16h + 15: the values of the per-chunk helpers above, bit for
- * bit (the same products of the same operands), decoded as vectors. A decode
- * matvec unpacks each superblock once, so eight scalar chunk decodes per
- * superblock cost as much as its quants did (Q3_K's scattered bits keep the
- * per-chunk path). */
+ * bit (the same products of the same operands), decoded as vectors: matmul.cl's
+ * tiles of several rows take them once a superblock instead of eight scalar chunk
+ * decodes a row (Q3_K's scattered bits keep the per-chunk path). */
 #define LOOM_PAIRS16(v) (float16)((v).s0, (v).s0, (v).s1, (v).s1, (v).s2, (v).s2, (v).s3, (v).s3, \
                                   (v).s4, (v).s4, (v).s5, (v).s5, (v).s6, (v).s6, (v).s7, (v).s7)
 inline void loom_q2_k_scales16(const __global uchar *blk, float16 *ds, float16 *ms)

@@ -135,10 +135,7 @@ inline float16 mm_lut16(float16 t, uint16 i)
  * is set: (u - 16) d + 16 d = u d exactly (both products fit float's mantissa),
  * the value a second table would give, for one masked add instead of a second
  * lookup and a blend. */
-#define MM_Q5_BITS(c) ((c) < 16 ? (uint16)(1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7, \
-                                           1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15) \
-                                : (uint16)(1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21, 1u << 22, 1u << 23, \
-                                           1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31))
+#define MM_Q5_BITS(c) ((uint16)1u << (LOOM_IOTA16 + ((c) < 16 ? 0u : 16u)))
 inline float16 mm_lut16_q5(float16 lo, float d16, uint16 i, uint h, uint16 bits)
 {
     const float16 t = mm_lut16(lo, i);
