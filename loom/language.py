@@ -675,10 +675,10 @@ def check(module, source=None):
         if p.when is not None:      # may test present() of a param declared above
             _check_expr(p.when, layer | declared, f"param {p.name}", fail)
         if p.tiled is not None:
-            if p.dtype not in ("f32", "f16"):
-                fail(f"param {p.name}: tiled() needs dtype f32 or f16, not {p.dtype}")
-            for code in p.tiled:
-                _check_expr(code, layer, f"param {p.name}", fail)
+            if p.dtype not in ("f32", "f16", "weight"):
+                fail(f"param {p.name}: tiled() needs dtype f32, f16 or weight, not {p.dtype}")
+            for code in p.tiled:     # `storage`: the bound tensor's device type ("Q4_0", ...)
+                _check_expr(code, layer | {"storage"}, f"param {p.name}", fail)
         declared.add(p.name)
         for src in p.sources:
             if src.startswith("=") and src[1:] not in params:

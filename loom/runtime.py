@@ -93,8 +93,33 @@ def tile(array, axis, width):
     return np.ascontiguousarray(a.transpose((0,) + tuple(range(a.ndim - 1, 1, -1)) + (1,)))
 
 
+def tile_blocks(raw, rows, storage, width):
+    """A block-format matrix of `rows` rows declared tiled(0, width) as the device holds
+    it: rows in tiles of `width` (the last padded with zero rows), and per tile and
+    block column, each 2-byte scale field of the tile's rows side by side, then every
+    other byte of the block as `width` bytes, one per row. Q4_0 tiled(0, 16) puts 16
+    rows' scales in one half16 and byte j of their blocks in one uchar16: a kernel
+    takes the 16 rows as the lanes of a vector, with no horizontal sums (matmul.cl's
+    ROW_TILE)."""
+    size = weights.BLOCK_LAYOUT[storage][1]
+    b = raw.reshape(rows, -1, size)
+    pad = -rows % width
+    if pad:
+        b = np.concatenate([b, np.zeros((pad,) + b.shape[1:], np.uint8)])
+    b = b.reshape(-1, width, b.shape[1], size).transpose(0, 2, 1, 3)     # [tile][block][row][byte]
+    fields = [at + i for at in weights.SCALE_FIELDS[storage] for i in (0, 1)]
+    rest = [i for i in range(size) if i not in fields]
+    scales = b[..., fields].reshape(b.shape[:3] + (-1, 2)).transpose(0, 1, 3, 2, 4)   # [field][row][2]
+    other = b[..., rest].transpose(0, 1, 3, 2)                                          # [byte][row]
+    tiles = np.concatenate([scales.reshape(b.shape[:2] + (-1,)), other.reshape(b.shape[:2] + (-1,))], axis=2)
+    return np.ascontiguousarray(tiles).reshape(-1)
+
+
 def _device_array(checkpoint, tensor, storage, tiled=None):
     """The bytes a param holds on the device, from its checkpoint tensor."""
+    if tiled is not None and storage in weights.SCALE_FIELDS:
+        return tile_blocks(_device_array(checkpoint, tensor, storage), checkpoint.tensors[tensor].shape[0],
+                           storage, tiled[1])
     if tiled is not None:
         return tile(_device_array(checkpoint, tensor, storage), *tiled)
     info = checkpoint.tensors[tensor]

@@ -319,6 +319,8 @@ class Binding:
             return shape[axis]
 
         def tiles(ref):
+            if isinstance(ref, Ref) and ref.kind == "scratch" and plan is not None and ref.name in plan.scratch:
+                return 0        # scratch buffers are laid out as declared, never in tiles
             if not isinstance(ref, Ref) or ref.kind != "param" or (ref.name, ref.index) not in self.params:
                 raise LoomError(f"tiles() needs a param that is present, got {_show(ref)}")
             tiled = self.params[(ref.name, ref.index)].tiled
@@ -594,11 +596,13 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_wi
             sources = [src if src.startswith("=") else expand(src, names) for src in p.sources]
             bound = _resolve_param(p, index, dims, sources, tensors, params)
             if p.tiled is not None and bound.alias is None:
-                axis, width = (_int(evaluate(code, layer), where) for code in p.tiled)
-                if not 0 <= axis < len(bound.shape) or not 1 <= width <= 64:
+                tiling = Scope(dict(names, storage=bound.storage), scoped(names), where)
+                axis, width = (_int(evaluate(code, tiling), where) for code in p.tiled)
+                blocks = bound.storage not in ("F32", "F16", "I32")
+                if not 0 <= axis < len(bound.shape) or not 0 <= width <= 64 or blocks and axis != 0:
                     raise LoomError(f"{where}: tiled({axis}, {width}) needs an axis of its {len(bound.shape)} "
-                                    "dimensions and a width of 1 to 64")
-                bound.tiled = (axis, width)
+                                    "dimensions (rows, axis 0, for quantized blocks) and a width of 0 to 64")
+                bound.tiled = (axis, width) if width else None     # width 0: as the checkpoint lays it out
             params[(p.name, index)] = bound
     states = {}
     for s in module.states:

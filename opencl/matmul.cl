@@ -40,6 +40,10 @@
  *                        tokens' rows of X: more rows per group amortize that).
  *                        x86 with AVX2 uses pmaddubsw/pmaddwd, other targets (and
  *                        MM_PORTABLE) a widening int multiply.
+ *   ROW_TILE       (0)   16: W is Q4_0 or Q5_0 in tiles of 16 rows (a param declared
+ *                        tiled(0, 16): runtime.tile_blocks); a work-item computes one
+ *                        tile (ROWS_PER_ITEM, VW, ACCS and LUT are unused). 0: W is
+ *                        row-major blocks.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
@@ -85,6 +89,10 @@
 #endif
 #ifndef VW
 #define VW 16
+#endif
+
+#if defined(ROW_TILE) && ROW_TILE == 0                /* tiles(w) of an untiled param */
+#undef ROW_TILE
 #endif
 
 #define RPI ROWS_PER_ITEM
@@ -307,6 +315,123 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
     *y = s;
 }
 
+#ifdef ROW_TILE
+/* ---- Q4_0 / Q5_0 rows in tiles of 16 (ROW_TILE 16: the param declared tiled(0, 16)) ----
+ * runtime.tile_blocks lays each tile of 16 rows out block by block: the 16 rows'
+ * f16 scales (32 bytes), for Q5_0 the four bytes of the 16 rows' fifth bits as
+ * four 16-byte planes, then byte c of the 16 rows' quant bytes side by side (16 x
+ * 16 bytes; its low nibbles are elements c, its high ones c + 16). A work-item
+ * takes one tile with the rows as the 16 lanes of its vectors: each input element
+ * is one broadcast, each quant byte feeds two FMAs after a widen, a mask or shift
+ * (and Q5_0's bit) and a conversion, and no sum crosses lanes. Against the
+ * row-per-item LUT tile on Zen 5 (Intel's runtime, Q4_0 weights streamed):
+ * 9728x896 T = 1 146-164 -> 108-117 us, T = 8 533 -> 426 us, T = 64 3456 -> 2656
+ * us; 896x4864 T = 8 515 -> 228 us (opencl/README.md). The same values u - z
+ * (z = 8, or 16 for Q5_0) times d; the sums run in another order. */
+#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0)) || defined(ACT_Q8)
+#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0 or WEIGHT_Q5_0, and float activations"
+#endif
+#undef RPI
+#define RPI ROW_TILE                              /* a work-item's rows: one tile */
+#define RT_ACCS 4                                 /* T = 1: independent FMA chains per block */
+#ifdef WEIGHT_Q4_0
+#define RT_BYTES (16 * LOOM_Q4_0_BYTES)           /* a tile's block */
+#define RT_QS 32                                  /* where its quant byte planes start */
+#define RT_ZERO 8.0f                              /* w = (u - RT_ZERO) d */
+#define RT_HIGH_DECL(p)
+#define RT_LO(q, c) ((q) & 15u)
+#define RT_HI(q, c) ((q) >> 4)
+#else
+#define RT_BYTES (16 * LOOM_Q5_0_BYTES)
+#define RT_QS 96
+#define RT_ZERO 16.0f
+/* the 16 rows' 32-bit qh: bit c is element c's fifth bit */
+#define RT_HIGH_DECL(p) const uint16 h = convert_uint16(vload16(0, (p) + 32)) | convert_uint16(vload16(1, (p) + 32)) << 8 \
+    | convert_uint16(vload16(2, (p) + 32)) << 16 | convert_uint16(vload16(3, (p) + 32)) << 24;
+/* bit b of h moved to bit 4 (b a literal: one shift and a mask) */
+#define RT_BIT4(b) (((b) <= 4 ? h << (4 - (b)) : h >> ((b) - 4)) & 16u)
+#define RT_LO(q, c) (((q) & 15u) | RT_BIT4(c))
+#define RT_HI(q, c) (((q) >> 4) | RT_BIT4((c) + 16))
+#endif
+
+/* Rows n0 .. n0 + 15 (one tile; rows >= nr are padding: computed, not stored) x nt
+ * tokens from t0. One token sums u * x per block and applies (u - z) d as
+ * d (s - z sum(x)); wider tiles convert u - z once for their nt tokens. */
+__attribute__((always_inline)) inline void mm_tile(
+    const __global float *X, int ldx, const __global WTYPE *W,
+    const __global float *bias, __global float *Y, int ldy,
+    int n0, const int nr, int t0, const int nt)
+{
+    const __global uchar *p = W + (size_t)(n0 / 16) * (K / LOOM_QK) * RT_BYTES;
+    const __global float *xrow[TPI];
+    float16 acc[TPI];
+    #pragma unroll
+    for (int j = 0; j < TPI; j++) {
+        xrow[j] = X + (size_t)(t0 + (j < nt ? j : nt - 1)) * ldx;
+        acc[j] = (float16)(0.0f);
+    }
+    for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {
+        const float16 d = vload_half16(0, (const __global half *)p);
+        RT_HIGH_DECL(p)
+        if (nt == 1) {
+            const __global float *x = xrow[0] + kb;
+            const float16 xs = vload16(0, x) + vload16(1, x);
+            float16 s[RT_ACCS];
+            #pragma unroll
+            for (int a = 0; a < RT_ACCS; a++)
+                s[a] = (float16)(0.0f);
+            #pragma unroll
+            for (int c = 0; c < 16; c++) {
+                const uint16 q = convert_uint16(vload16(c, p + RT_QS));
+                s[2 * c % RT_ACCS] = fma(convert_float16(RT_LO(q, c)), x[c], s[2 * c % RT_ACCS]);
+                s[(2 * c + 1) % RT_ACCS] = fma(convert_float16(RT_HI(q, c)), x[c + 16], s[(2 * c + 1) % RT_ACCS]);
+            }
+            #pragma unroll
+            for (int a = 1; a < RT_ACCS; a++)
+                s[0] += s[a];
+            acc[0] = fma(d, s[0] - RT_ZERO * loom_hsum16(xs), acc[0]);
+        } else {
+            float16 s[TPI];
+            #pragma unroll
+            for (int j = 0; j < TPI; j++)
+                s[j] = (float16)(0.0f);
+            #pragma unroll
+            for (int c = 0; c < 16; c++) {
+                const uint16 q = convert_uint16(vload16(c, p + RT_QS));
+                const float16 lo = convert_float16(RT_LO(q, c)) - RT_ZERO, hi = convert_float16(RT_HI(q, c)) - RT_ZERO;
+                #pragma unroll
+                for (int j = 0; j < TPI; j++)
+                    if (j < nt)
+                        s[j] = fma(hi, xrow[j][kb + c + 16], fma(lo, xrow[j][kb + c], s[j]));
+            }
+            #pragma unroll
+            for (int j = 0; j < TPI; j++)
+                acc[j] = fma(d, s[j], acc[j]);
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < TPI; j++) {
+        if (j < nt) {
+            __global float *y = Y + (size_t)(t0 + j) * ldy + n0;
+            if (n0 + 16 <= nr) {
+                float16 v = acc[j];
+#ifdef HAS_BIAS
+                v += vload16(0, bias + n0);
+#endif
+#ifdef ACCUMULATE
+                v += vload16(0, y);
+#endif
+                vstore16(v, 0, y);
+            } else {
+                #pragma unroll
+                for (int r = 0; r < 16; r++)
+                    if (n0 + r < nr)
+                        mm_store(bias, y + r, n0 + r, acc[j][r]);
+            }
+        }
+    }
+}
+#else
 /* One register tile: RPI rows from n0 x nt tokens from t0. nt is a literal at
  * each call site, so after inlining the token loops have constant trip counts. */
 __attribute__((always_inline)) inline void mm_tile(
@@ -381,6 +506,8 @@ __attribute__((always_inline)) inline void mm_tile(
         }
     }
 }
+
+#endif /* ROW_TILE */
 
 /* Vector conversions for ACT_Q8: clang's builtin where the compiler is clang (PoCL's
  * convert_* of int vectors miscompiled), the OpenCL C built-in elsewhere. */
@@ -550,6 +677,21 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
     if (kb >= K || n >= N)
         return;
     Y += (size_t)n * K;
+#ifdef ROW_TILE
+    const int lane = n % 16;
+    const __global uchar *p = W + ((size_t)(n / 16) * (K / LOOM_QK) + kb / LOOM_QK) * RT_BYTES;
+    const float d = vload_half(lane, (const __global half *)p);
+#ifdef WEIGHT_Q5_0
+    const uint h = p[32 + lane] | (uint)p[48 + lane] << 8 | (uint)p[64 + lane] << 16 | (uint)p[80 + lane] << 24;
+#else
+    const uint h = 0;
+#endif
+    for (int c = 0; c < 16; c++) {
+        const uint q = p[RT_QS + c * 16 + lane];
+        Y[kb + c] = ((float)((q & 15u) | ((h >> c) & 1u) << 4) - RT_ZERO) * d;
+        Y[kb + c + 16] = ((float)((q >> 4) | ((h >> (c + 16)) & 1u) << 4) - RT_ZERO) * d;
+    }
+#else
     const __global WTYPE *wrow[RPI];
     #pragma unroll
     for (int r = 0; r < RPI; r++)
@@ -569,6 +711,7 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
     #pragma unroll
     for (int c = 0; c < KSTEP; c += VW)
         LOOM_CAT(loom_st_float, VW)(WLOAD(0, kb, c), Y + kb + c);
+#endif
 }
 
 #if TPI > 16

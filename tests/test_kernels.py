@@ -17,7 +17,7 @@ import pytest
 
 from conftest import cpu_drivers
 from loom import device as loom_device
-from loom.runtime import tile
+from loom.runtime import tile, tile_blocks
 
 cl = pytest.importorskip("pyopencl")
 
@@ -612,6 +612,92 @@ def test_matmul_more_accumulators_than_a_block_has_vectors(env, kind):
         for geometry in ((1, 1, 8, 16), (1, 1, 8, 8)):
             got = run_matmul(env, kind, n, k, x[:1], wraw, geometry=geometry, extra=dict(ACCS=4, LUT=1))
             assert_close(got, x[:1].astype(np.float64) @ wref.T, REL.get(kind, 1e-4))
+
+
+# ---------------------------------------------------------------- Q4_0 in tiles of 16 rows (ROW_TILE)
+
+def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, extra=None):
+    """matmul with ROW_TILE 16 on raw Q4_0 / Q5_0 rows laid out as llama.loom's tiled(0, 16) params
+    are (runtime.tile_blocks): one work-item a tile, Y as a view (y_off 3, ldy) of a wider
+    buffer whose other columns must come back untouched."""
+    t = x.shape[0]
+    ldy = ldy or n + 5
+    wide = rng(7).standard_normal((t, ldy)).astype(np.float32)
+    if y0 is not None:
+        wide[:, 3:3 + n] = y0
+    prg = env.build("matmul", K=k, N=n, ROW_TILE=16, TOKENS_PER_ITEM=tpi, WG=8, **{"WEIGHT_" + kind: True},
+                    HAS_BIAS=bias is not None, ACCUMULATE=y0 is not None, **(extra or {}))
+    yb = env.buf(wide)
+    tiles = -(-n // 16)
+    env.run(prg.matmul, (-(-tiles // 8) * 8, 1), (8, 1), env.buf(x), i32(0), i32(k),
+            env.buf(tile_blocks(raw, n, kind, 16)), env.buf(bias) if bias is not None else None,
+            yb, i32(3), i32(ldy), i32(t))
+    got = env.read(yb, wide.shape)
+    assert np.array_equal(got[:, :3], wide[:, :3]) and np.array_equal(got[:, 3 + n:], wide[:, 3 + n:])
+    return got[:, 3:3 + n]
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("n, k", [(48, 96), (37, 896), (5, 4864)])
+def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
+    """Q4_0 and Q5_0 held in tiles of 16 rows: decode (one token, u * x summed per block
+    and scaled once), cohort and prefill tiles of 4 and 8 tokens with every tail width, bias
+    and residual add, and a last tile of padding rows that is computed but never stored."""
+    raw, ref = make_weights(kind, random_weights(60, n, k))
+    r = rng(61)
+    x = r.standard_normal((19, k)).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((19, n)).astype(np.float32)
+    want = x.astype(np.float64) @ ref.T
+    for tpi, ts in ((1, (1, 2)), (4, range(1, 10)), (8, (1, 7, 8, 9, 16, 19))):
+        for t in ts:
+            assert_close(run_row_tiles(env, kind, n, k, x[:t], raw, tpi), want[:t], REL[kind])
+            got = run_row_tiles(env, kind, n, k, x[:t], raw, tpi, bias=bias, y0=y0[:t])
+            assert_close(got, want[:t] + bias + y0[:t], REL[kind])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+def test_matmul_cat_row_tiles_give_each_matrix_its_own_bits(env, kind):
+    """matmul_cat over three tiled matrices (q|k|v): each output column is the bits matmul
+    gives for its matrix alone."""
+    rows, k = (32, 16, 16), 96
+    mats = [make_weights(kind, random_weights(70 + i, n, k)) for i, n in enumerate(rows)]
+    x = rng(73).standard_normal((9, k)).astype(np.float32)
+    for tpi, t in ((1, 1), (8, 9)):
+        prg = env.build("matmul", K=k, N=sum(rows), N0=rows[0], N1=rows[1], ROW_TILE=16, TOKENS_PER_ITEM=tpi,
+                        WG=8, **{"WEIGHT_" + kind: True})
+        yb = env.buf(np.full((t, sum(rows)), np.nan, np.float32))
+        env.run(prg.matmul_cat, (8, 1), (8, 1), env.buf(x[:t]), i32(0), i32(k),
+                *[env.buf(tile_blocks(raw, n, kind, 16)) for (raw, _), n in zip(mats, rows)],
+                None, None, None, yb, i32(0), i32(sum(rows)), i32(t))
+        got = env.read(yb, (t, sum(rows)))
+        col = 0
+        for (raw, ref), n in zip(mats, rows):
+            alone = run_row_tiles(env, kind, n, k, x[:t], raw, tpi)
+            assert np.array_equal(got[:, col:col + n].view(np.uint32), alone.view(np.uint32))
+            assert_close(got[:, col:col + n], x[:t].astype(np.float64) @ ref.T, REL[kind])
+            col += n
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+def test_dequantize_row_tiles_is_exact(env, kind):
+    """dequantize reads the tiled layout back to rows: exactly the reference values, the
+    padding rows of the last tile never written."""
+    n, k = 37, 96
+    raw, ref = make_weights(kind, random_weights(75, n, k))
+    prg = env.build("matmul", K=k, N=n, VW=8, ROW_TILE=16, **{"WEIGHT_" + kind: True})
+    yb = env.buf(np.full((n + 1, k), np.nan, np.float32))
+    env.run(prg.dequantize, (k // 32, n), None, env.buf(tile_blocks(raw, n, kind, 16)), yb)
+    got = env.read(yb, (n + 1, k))
+    assert np.array_equal(got[:n].astype(np.float64), ref) and np.isnan(got[n]).all()
+
+
+@pytest.mark.parametrize("macros", [dict(WEIGHT_Q8_0=True), dict(WEIGHT_Q4_0=True, ACT_Q8=True),
+                                    dict(WEIGHT_Q4_0=True, ROW_TILE=8)])
+def test_matmul_row_tiles_only_for_q4_0_and_q5_0_by_16(env, macros):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=64, N=16, **dict(dict(ROW_TILE=16), **macros))
+    assert "ROW_TILE needs 16, WEIGHT_Q4_0 or WEIGHT_Q5_0, and float activations" in str(e.value)
 
 
 def test_matmul_missing_macro_is_a_build_error(env):

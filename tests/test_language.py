@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from loom import bytecode, language, vm
+from loom import bytecode, language, vm, weights
 from loom.language import LoomError
 
 SAMPLE = '''
@@ -537,7 +537,7 @@ def test_tiled_params_round_trip_bind_and_tell_their_kernels():
 
 
 @pytest.mark.parametrize("change, message", [
-    (('param plain : f32', 'param plain : weight'), "tiled\\(\\) needs dtype f32 or f16, not weight"),
+    (('param plain : f32', 'param plain : i32'), "tiled\\(\\) needs dtype f32, f16 or weight, not i32"),
     (('"w.0"\nparam shared', '"w.0" tiled(0, Q)\nparam shared'), "unknown name 'Q'"),
     (('tiled(0, W)', 'tiled(0 W)'), "expected ','"),
 ])
@@ -549,13 +549,57 @@ def test_tiled_declaration_errors(change, message):
         language.parse(source)
 
 
-@pytest.mark.parametrize("tiled, values", [("tiled(3, W)", "3, 4"), ("tiled(0, 0)", "0, 0"), ("tiled(0, 65)", "0, 65"),
+@pytest.mark.parametrize("tiled, values", [("tiled(3, W)", "3, 4"), ("tiled(0, -1)", "0, -1"), ("tiled(0, 65)", "0, 65"),
                                            ("tiled(-1, W)", "-1, 4")])
 def test_tiled_values_out_of_range_fail_binding(tiled, values):
     module = language.parse(TILED.replace("tiled(0, W)", tiled))
     with pytest.raises(LoomError, match=re.escape(f"param w[0]: tiled({values}) needs an axis of its 3 dimensions "
-                                                  "and a width of 1 to 64")):
+                                                  "(rows, axis 0, for quantized blocks) and a width of 0 to 64")):
         vm.bind(module, {}, tiled_tensors())
+
+
+def test_tiled_width_0_keeps_the_checkpoint_layout():
+    b = vm.bind(language.parse(TILED.replace("tiled(0, W)", "tiled(0, W - 4)")), {}, tiled_tensors())
+    assert [b.params[("w", i)].tiled for i in (0, 1)] == [None, None]
+    assert [launch.defines["TILES"] for launch in b.plan("c", n=1).launches] == [0, 4, 0, 4]
+
+
+WEIGHT_TILES = '''
+module t kind embedding
+param a : weight [16, 64] = "a" tiled(AXIS, storage == "Q4_0" ? 16 : 0)
+param c[2] : weight [16, 64] = "c.{i}" tiled(0, storage == "Q4_0" ? 16 : 0)
+param b : weight [16, 64] = "missing" | a
+kernel k(w: tensor[N, K], n: int)
+    source "__kernel void k(int n) {}"
+    defines { TILES = tiles(w), TYPE = dtype(w) }
+    args [n]
+    grid [n]
+command c(n: int) {
+    k(a, n)
+    k(c[0], n)
+    k(c[1], n)
+    k(b, n)
+    scratch s : f32 [16, 64]
+    k(s, n)
+}
+'''
+
+
+def test_weight_params_tile_by_their_storage():
+    """tiled() on a weight param sees `storage`, the bound tensor's device type: a layout
+    for the types whose kernels read it (llama.loom tiles Q4_0 matrices by 16 rows), the
+    checkpoint's for the rest; an alias keeps its target's."""
+    tensors = {"a": vm.Tensor((16, 64), "Q4_0"), "c.0": vm.Tensor((16, 64), "Q8_0"), "c.1": vm.Tensor((16, 64), "F16")}
+    b = vm.bind(language.parse(WEIGHT_TILES.replace("AXIS", "0")), {}, tensors)
+    assert [b.params[key].tiled for key in (("a", None), ("c", 0), ("c", 1))] == [(0, 16), None, None]
+    assert b.params[("b", None)].alias == ("a", None) and b.params[("b", None)].tiled == (0, 16)
+    assert [(launch.defines["TILES"], launch.defines["TYPE"]) for launch in b.plan("c", n=1).launches] == \
+        [(16, "Q4_0"), (0, "Q8_0"), (0, "F16"), (16, "Q4_0"), (0, "F32")]
+    with pytest.raises(LoomError, match=re.escape("param a: tiled(1, 16) needs an axis of its 2 dimensions "
+                                                  "(rows, axis 0, for quantized blocks)")):
+        vm.bind(language.parse(WEIGHT_TILES.replace("AXIS", "1")), {}, tensors)
+    with pytest.raises(LoomError, match="unknown name 'storage'"):
+        language.parse(WEIGHT_TILES.replace('"a" tiled(AXIS, storage == "Q4_0" ? 16 : 0)', '"a" when storage == "F16"'))
 
 
 @pytest.mark.parametrize("shape, axis, width", [((5, 3, 2), 0, 4), ((3, 5, 2), 1, 4), ((5, 7), 0, 4),
@@ -579,3 +623,30 @@ def test_tile_layout_against_loops(shape, axis, width):
                 assert got[(t, *idx[::-1], lane)] == want
     assert storage_bytes(shape, "F32", (axis, width)) == got.nbytes
     assert storage_bytes(shape, "F16", (axis, width)) == got.nbytes // 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(weights.SCALE_FIELDS)), st.integers(1, 40), st.integers(1, 3),
+       st.sampled_from([1, 4, 16]), st.integers(0, 2**32 - 1))
+def test_tile_blocks_puts_every_byte_where_the_kernels_read_it(storage, rows, blocks, width, seed):
+    """runtime.tile_blocks: per tile of `width` rows and block column, each scale field's 2
+    bytes row after row, then the block's other bytes, each as `width` bytes one per row
+    (rows past the end are zeros); storage_bytes agrees with the size."""
+    from loom.runtime import storage_bytes, tile_blocks
+    values, size = weights.BLOCK_LAYOUT[storage]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    got = tile_blocks(raw.reshape(-1), rows, storage, width)
+    tiles = -(-rows // width)
+    assert got.nbytes == storage_bytes((rows, blocks * values), storage, (0, width)) == tiles * blocks * width * size
+    got = got.reshape(tiles, blocks, width * size)
+    fields = weights.SCALE_FIELDS[storage]
+    rest = [i for i in range(size) if all(i not in (at, at + 1) for at in fields)]
+    for n in range(tiles * width):
+        t, lane = divmod(n, width)
+        row = raw[n] if n < rows else np.zeros((blocks, size), np.uint8)
+        for f, at in enumerate(fields):
+            start = f * 2 * width + 2 * lane
+            assert np.array_equal(got[t, :, start:start + 2], row[:, at:at + 2])
+        base = len(fields) * 2 * width
+        for i, byte in enumerate(rest):
+            assert np.array_equal(got[t, :, base + i * width + lane], row[:, byte])
