@@ -513,22 +513,44 @@ inline float loom_q4_0_at(const __global uchar *row, int i)
 #define LOOM_SOFTMAX_TILE(qv, av, m, l, s, kp, kstride, vp, vstride, n, hd8, LOAD8) \
     do {                                                                   \
         float bm_ = -FLT_MAX;                                              \
-        for (int j_ = 0; j_ < (n); j_++) {                                 \
+        int j_ = 0;                                                        \
+        /* four positions at a time: four independent FMA chains */       \
+        for (; j_ + 4 <= (n); j_ += 4) {                                   \
+            float8 d0_ = (float8)(0.0f), d1_ = d0_, d2_ = d0_, d3_ = d0_;  \
+            _Pragma("unroll")                                              \
+            for (int c_ = 0; c_ < (hd8); c_++) {                           \
+                d0_ += (qv)[c_] * LOAD8((kp) + (size_t)j_ * (kstride) + 8 * c_); \
+                d1_ += (qv)[c_] * LOAD8((kp) + (size_t)(j_ + 1) * (kstride) + 8 * c_); \
+                d2_ += (qv)[c_] * LOAD8((kp) + (size_t)(j_ + 2) * (kstride) + 8 * c_); \
+                d3_ += (qv)[c_] * LOAD8((kp) + (size_t)(j_ + 3) * (kstride) + 8 * c_); \
+            }                                                              \
+            (s)[j_] = loom_hsum8(d0_);                                     \
+            (s)[j_ + 1] = loom_hsum8(d1_);                                 \
+            (s)[j_ + 2] = loom_hsum8(d2_);                                 \
+            (s)[j_ + 3] = loom_hsum8(d3_);                                 \
+        }                                                                  \
+        for (; j_ < (n); j_++) {                                           \
             float8 d_ = (float8)(0.0f);                                    \
             _Pragma("unroll")                                              \
             for (int c_ = 0; c_ < (hd8); c_++)                             \
                 d_ += (qv)[c_] * LOAD8((kp) + (size_t)j_ * (kstride) + 8 * c_); \
             (s)[j_] = loom_hsum8(d_);                                      \
-            bm_ = (s)[j_] > bm_ ? (s)[j_] : bm_;                           \
         }                                                                  \
+        for (j_ = 0; j_ < (n); j_++)                                       \
+            bm_ = (s)[j_] > bm_ ? (s)[j_] : bm_;                           \
         const float mn_ = bm_ > (m) ? bm_ : (m);                           \
         const float corr_ = loom_exp((m) - mn_);                           \
         (l) *= corr_;                                                      \
         _Pragma("unroll")                                                  \
         for (int c_ = 0; c_ < (hd8); c_++)                                 \
             (av)[c_] *= corr_;                                             \
-        for (int j_ = 0; j_ < (n); j_++) {                                 \
-            const float pj_ = loom_exp((s)[j_] - mn_);                     \
+        j_ = 0;                                                            \
+        for (; j_ + 8 <= (n); j_ += 8)    /* eight exponentials a vector */ \
+            vstore8(loom_exp8(vload8(0, (s) + j_) - mn_), 0, (s) + j_);    \
+        for (; j_ < (n); j_++)                                             \
+            (s)[j_] = loom_exp((s)[j_] - mn_);                             \
+        for (j_ = 0; j_ < (n); j_++) {                                     \
+            const float pj_ = (s)[j_];                                     \
             (l) += pj_;                                                    \
             _Pragma("unroll")                                              \
             for (int c_ = 0; c_ < (hd8); c_++)                             \
