@@ -40,7 +40,7 @@
  *                        tokens' rows of X: more rows per group amortize that).
  *                        x86 with AVX2 uses pmaddubsw/pmaddwd, other targets (and
  *                        MM_PORTABLE) a widening int multiply.
- *   ROW_TILE       (0)   16: W is Q4_0 or Q5_0 in tiles of 16 rows (a param declared
+ *   ROW_TILE       (0)   16: W is Q4_0, Q5_0 or Q4_1 in tiles of 16 rows (a param declared
  *                        tiled(0, 16): runtime.tile_blocks); a work-item computes one
  *                        tile (ROWS_PER_ITEM, VW, ACCS and LUT are unused). 0: W is
  *                        row-major blocks.
@@ -316,9 +316,9 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 }
 
 #ifdef ROW_TILE
-/* ---- Q4_0 / Q5_0 rows in tiles of 16 (ROW_TILE 16: the param declared tiled(0, 16)) ----
+/* ---- Q4_0 / Q5_0 / Q4_1 rows in tiles of 16 (ROW_TILE 16: the param declared tiled(0, 16)) ----
  * runtime.tile_blocks lays each tile of 16 rows out block by block: the 16 rows'
- * f16 scales (32 bytes), for Q5_0 the four bytes of the 16 rows' fifth bits as
+ * f16 scales (32 bytes; Q4_1 then its 16 minimums), for Q5_0 the four bytes of the 16 rows' fifth bits as
  * four 16-byte planes, then byte c of the 16 rows' quant bytes side by side (16 x
  * 16 bytes; its low nibbles are elements c, its high ones c + 16). A work-item
  * takes one tile with the rows as the 16 lanes of its vectors: each input element
@@ -328,19 +328,25 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
  * 9728x896 T = 1 146-164 -> 108-117 us, T = 8 533 -> 426 us, T = 64 3456 -> 2656
  * us; 896x4864 T = 8 515 -> 228 us (opencl/README.md). The same values u - z
  * (z = 8, or 16 for Q5_0) times d; the sums run in another order. */
-#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0)) || defined(ACT_Q8)
-#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0 or WEIGHT_Q5_0, and float activations"
+#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q4_1)) || defined(ACT_Q8)
+#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1, and float activations"
 #endif
 #undef RPI
 #define RPI ROW_TILE                              /* a work-item's rows: one tile */
 #define RT_ACCS 4                                 /* T = 1: independent FMA chains per block */
+#if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1)
+#define RT_HIGH_DECL(p)
+#define RT_LO(q, c) ((q) & 15u)
+#define RT_HI(q, c) ((q) >> 4)
+#endif
 #ifdef WEIGHT_Q4_0
 #define RT_BYTES (16 * LOOM_Q4_0_BYTES)           /* a tile's block */
 #define RT_QS 32                                  /* where its quant byte planes start */
 #define RT_ZERO 8.0f                              /* w = (u - RT_ZERO) d */
-#define RT_HIGH_DECL(p)
-#define RT_LO(q, c) ((q) & 15u)
-#define RT_HI(q, c) ((q) >> 4)
+#elif defined(WEIGHT_Q4_1)
+#define RT_BYTES (16 * LOOM_Q4_1_BYTES)           /* 16 scales d, 16 minimums m, the quant bytes */
+#define RT_QS 64
+#define RT_MIN 1                                  /* w = u d + m */
 #else
 #define RT_BYTES (16 * LOOM_Q5_0_BYTES)
 #define RT_QS 96
@@ -354,9 +360,22 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #define RT_HI(q, c) (((q) >> 4) | RT_BIT4((c) + 16))
 #endif
 
+/* A block's sum s = sum(u x) for one token, x's own sum sx: w = (u - z) d gives
+ * d (s - z sx), w = u d + m (Q4_1) d s + m sx. */
+#ifdef RT_MIN
+#define RT_BLOCK(acc, s, sx) fma(d, (s), fma(m, (sx), (acc)))
+#define RT_MIN_DECL(p) const float16 m = vload_half16(1, (const __global half *)(p));
+#define RT_W(v) (v)
+#else
+#define RT_BLOCK(acc, s, sx) fma(d, (s) - RT_ZERO * (sx), (acc))
+#define RT_MIN_DECL(p)
+#define RT_W(v) ((v) - RT_ZERO)
+#endif
+
 /* Rows n0 .. n0 + 15 (one tile; rows >= nr are padding: computed, not stored) x nt
- * tokens from t0. One token sums u * x per block and applies (u - z) d as
- * d (s - z sum(x)); wider tiles convert u - z once for their nt tokens. */
+ * tokens from t0. One token sums u * x per block and applies the block's scale
+ * (and zero point or minimum) once (RT_BLOCK); wider tiles convert w - m / d
+ * once for their nt tokens (Q4_1 adds m sum(x) per token and block). */
 __attribute__((always_inline)) inline void mm_tile(
     const __global float *X, int ldx, const __global WTYPE *W,
     const __global float *bias, __global float *Y, int ldy,
@@ -372,6 +391,7 @@ __attribute__((always_inline)) inline void mm_tile(
     }
     for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {
         const float16 d = vload_half16(0, (const __global half *)p);
+        RT_MIN_DECL(p)
         RT_HIGH_DECL(p)
         if (nt == 1) {
             const __global float *x = xrow[0] + kb;
@@ -389,7 +409,7 @@ __attribute__((always_inline)) inline void mm_tile(
             #pragma unroll
             for (int a = 1; a < RT_ACCS; a++)
                 s[0] += s[a];
-            acc[0] = fma(d, s[0] - RT_ZERO * loom_hsum16(xs), acc[0]);
+            acc[0] = RT_BLOCK(acc[0], s[0], loom_hsum16(xs));
         } else {
             float16 s[TPI];
             #pragma unroll
@@ -398,15 +418,21 @@ __attribute__((always_inline)) inline void mm_tile(
             #pragma unroll
             for (int c = 0; c < 16; c++) {
                 const uint16 q = convert_uint16(vload16(c, p + RT_QS));
-                const float16 lo = convert_float16(RT_LO(q, c)) - RT_ZERO, hi = convert_float16(RT_HI(q, c)) - RT_ZERO;
+                const float16 lo = RT_W(convert_float16(RT_LO(q, c))), hi = RT_W(convert_float16(RT_HI(q, c)));
                 #pragma unroll
                 for (int j = 0; j < TPI; j++)
                     if (j < nt)
                         s[j] = fma(hi, xrow[j][kb + c + 16], fma(lo, xrow[j][kb + c], s[j]));
             }
             #pragma unroll
-            for (int j = 0; j < TPI; j++)
+            for (int j = 0; j < TPI; j++) {
+#ifdef RT_MIN
+                const float16 xs = vload16(0, xrow[j] + kb) + vload16(1, xrow[j] + kb);
+                acc[j] = RT_BLOCK(acc[j], s[j], loom_hsum16(xs));
+#else
                 acc[j] = fma(d, s[j], acc[j]);
+#endif
+            }
         }
     }
     #pragma unroll
@@ -686,10 +712,16 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
 #else
     const uint h = 0;
 #endif
+#ifdef RT_MIN
+    const float m = vload_half(16 + lane, (const __global half *)p);
+#define RT_VALUE(u) ((float)(u) * d + m)
+#else
+#define RT_VALUE(u) (((float)(u) - RT_ZERO) * d)
+#endif
     for (int c = 0; c < 16; c++) {
         const uint q = p[RT_QS + c * 16 + lane];
-        Y[kb + c] = ((float)((q & 15u) | ((h >> c) & 1u) << 4) - RT_ZERO) * d;
-        Y[kb + c + 16] = ((float)((q >> 4) | ((h >> (c + 16)) & 1u) << 4) - RT_ZERO) * d;
+        Y[kb + c] = RT_VALUE((q & 15u) | ((h >> c) & 1u) << 4);
+        Y[kb + c + 16] = RT_VALUE((q >> 4) | ((h >> (c + 16)) & 1u) << 4);
     }
 #else
     const __global WTYPE *wrow[RPI];

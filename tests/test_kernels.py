@@ -637,11 +637,11 @@ def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, ex
     return got[:, 3:3 + n]
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
 @pytest.mark.parametrize("n, k", [(48, 96), (37, 896), (5, 4864)])
 def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
-    """Q4_0 and Q5_0 held in tiles of 16 rows: decode (one token, u * x summed per block
-    and scaled once), cohort and prefill tiles of 4 and 8 tokens with every tail width, bias
+    """Q4_0, Q5_0 and Q4_1 held in tiles of 16 rows: decode (one token, u * x summed per
+    block and scaled once), cohort and prefill tiles of 4 and 8 tokens with every tail width, bias
     and residual add, and a last tile of padding rows that is computed but never stored."""
     raw, ref = make_weights(kind, random_weights(60, n, k))
     r = rng(61)
@@ -656,7 +656,7 @@ def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
             assert_close(got, want[:t] + bias + y0[:t], REL[kind])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
 def test_matmul_cat_row_tiles_give_each_matrix_its_own_bits(env, kind):
     """matmul_cat over three tiled matrices (q|k|v): each output column is the bits matmul
     gives for its matrix alone."""
@@ -679,7 +679,7 @@ def test_matmul_cat_row_tiles_give_each_matrix_its_own_bits(env, kind):
             col += n
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
 def test_dequantize_row_tiles_is_exact(env, kind):
     """dequantize reads the tiled layout back to rows: exactly the reference values, the
     padding rows of the last tile never written."""
@@ -694,10 +694,10 @@ def test_dequantize_row_tiles_is_exact(env, kind):
 
 @pytest.mark.parametrize("macros", [dict(WEIGHT_Q8_0=True), dict(WEIGHT_Q4_0=True, ACT_Q8=True),
                                     dict(WEIGHT_Q4_0=True, ROW_TILE=8)])
-def test_matmul_row_tiles_only_for_q4_0_and_q5_0_by_16(env, macros):
+def test_matmul_row_tiles_only_for_4_and_5_bit_blocks_by_16(env, macros):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, N=16, **dict(dict(ROW_TILE=16), **macros))
-    assert "ROW_TILE needs 16, WEIGHT_Q4_0 or WEIGHT_Q5_0, and float activations" in str(e.value)
+    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1, and float activations" in str(e.value)
 
 
 def test_matmul_missing_macro_is_a_build_error(env):
