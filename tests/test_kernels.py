@@ -638,7 +638,7 @@ def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, ex
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
-@pytest.mark.parametrize("n, k", [(48, 96), (37, 896), (5, 4864)])
+@pytest.mark.parametrize("n, k", [(37, 896), (5, 4864)])
 def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
     """Q4_0, Q5_0 and Q4_1 held in tiles of 16 rows: decode (one token, u * x summed per
     block and scaled once), cohort and prefill tiles of 4 and 8 tokens with every tail width, bias
@@ -651,9 +651,10 @@ def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
     want = x.astype(np.float64) @ ref.T
     for tpi, ts in ((1, (1, 2)), (4, range(1, 10)), (8, (1, 7, 8, 9, 16, 19))):
         for t in ts:
-            assert_close(run_row_tiles(env, kind, n, k, x[:t], raw, tpi), want[:t], REL[kind])
             got = run_row_tiles(env, kind, n, k, x[:t], raw, tpi, bias=bias, y0=y0[:t])
             assert_close(got, want[:t] + bias + y0[:t], REL[kind])
+            if tpi == 8:        # the plain store (no bias, no residual) once per width
+                assert_close(run_row_tiles(env, kind, n, k, x[:t], raw, tpi), want[:t], REL[kind])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
