@@ -93,25 +93,40 @@ def tile(array, axis, width):
     return np.ascontiguousarray(a.transpose((0,) + tuple(range(a.ndim - 1, 1, -1)) + (1,)))
 
 
+# The bit of a tiled Q5_0 block's fifth-bit word that holds element e's fifth bit: element
+# 4j + b (its nibble the low one of byte b of quant word j) at 8b + 4 + j, element 4j + b + 16
+# (the high one) at 8b + j; matmul.cl's RT_WORD shifts h by j (or 4 - j) to bit 8b + 4.
+_Q5_0_FIFTH_BITS = [8 * (e % 4) + 4 + e // 4 for e in range(16)] + [8 * (e % 4) + e // 4 for e in range(16)]
+
+
 def tile_blocks(raw, rows, storage, width):
     """A block-format matrix of `rows` rows declared tiled(0, width) as the device holds
     it: rows in tiles of `width` (the last padded with zero rows), and per tile and
-    block column, each 2-byte scale field of the tile's rows side by side, then every
-    other byte of the block as `width` bytes, one per row. Q4_0 tiled(0, 16) puts 16
-    rows' scales in one half16 and byte j of their blocks in one uchar16: a kernel
-    takes the 16 rows as the lanes of a vector, with no horizontal sums (matmul.cl's
-    ROW_TILE)."""
+    block column, each 2-byte scale field of the tile's rows side by side, then the
+    block's other bytes four at a time, word j (its bytes 4j .. 4j + 3) of the tile's
+    rows side by side. Q4_0 tiled(0, 16) puts 16 rows' scales in one half16 and word j
+    of their quant bytes in one uint16: a kernel takes the 16 rows as the lanes of a
+    vector, with no horizontal sums and no widening (matmul.cl's ROW_TILE). Q5_0's fifth
+    bits are reordered within their word (_Q5_0_FIFTH_BITS) so that the kernel joins
+    each to its nibble with one shift and one bitselect a word."""
     size = weights.BLOCK_LAYOUT[storage][1]
     b = raw.reshape(rows, -1, size)
+    if storage == "Q5_0":
+        qh = b[..., 2:6].copy().view("<u4")[..., 0]
+        moved = np.zeros_like(qh)
+        for e, at in enumerate(_Q5_0_FIFTH_BITS):
+            moved |= ((qh >> np.uint32(e)) & np.uint32(1)) << np.uint32(at)
+        b = b.copy()
+        b[..., 2:6] = moved[..., None].view(np.uint8)
     pad = -rows % width
     if pad:
         b = np.concatenate([b, np.zeros((pad,) + b.shape[1:], np.uint8)])
     b = b.reshape(-1, width, b.shape[1], size).transpose(0, 2, 1, 3)     # [tile][block][row][byte]
     fields = [at + i for at in weights.SCALE_FIELDS[storage] for i in (0, 1)]
-    rest = [i for i in range(size) if i not in fields]
-    scales = b[..., fields].reshape(b.shape[:3] + (-1, 2)).transpose(0, 1, 3, 2, 4)   # [field][row][2]
-    other = b[..., rest].transpose(0, 1, 3, 2)                                          # [byte][row]
-    tiles = np.concatenate([scales.reshape(b.shape[:2] + (-1,)), other.reshape(b.shape[:2] + (-1,))], axis=2)
+    rest = [i for i in range(size) if i not in fields]                  # a multiple of 4 in every format
+    scales = b[..., fields].reshape(b.shape[:3] + (-1, 2)).transpose(0, 1, 3, 2, 4)        # [field][row][2]
+    words = b[..., rest].reshape(b.shape[:3] + (-1, 4)).transpose(0, 1, 3, 2, 4)           # [word][row][4]
+    tiles = np.concatenate([scales.reshape(b.shape[:2] + (-1,)), words.reshape(b.shape[:2] + (-1,))], axis=2)
     return np.ascontiguousarray(tiles).reshape(-1)
 
 

@@ -318,64 +318,87 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #ifdef ROW_TILE
 /* ---- Q4_0 / Q5_0 / Q4_1 rows in tiles of 16 (ROW_TILE 16: the param declared tiled(0, 16)) ----
  * runtime.tile_blocks lays each tile of 16 rows out block by block: the 16 rows'
- * f16 scales (32 bytes; Q4_1 then its 16 minimums), for Q5_0 the four bytes of the 16 rows' fifth bits as
- * four 16-byte planes, then byte c of the 16 rows' quant bytes side by side (16 x
- * 16 bytes; its low nibbles are elements c, its high ones c + 16). A work-item
- * takes one tile with the rows as the 16 lanes of its vectors: each input element
- * is one broadcast, each quant byte feeds two FMAs after a widen, a mask or shift
- * (and Q5_0's bit) and a conversion, and no sum crosses lanes. Against the
- * row-per-item LUT tile on Zen 5 (Intel's runtime, Q4_0 weights streamed):
- * 9728x896 T = 1 146-164 -> 108-117 us, T = 8 533 -> 426 us, T = 64 3456 -> 2656
- * us; 896x4864 T = 8 515 -> 228 us (opencl/README.md). The same values u - z
- * (z = 8, or 16 for Q5_0) times d; the sums run in another order. */
+ * f16 scales (32 bytes; Q4_1 then its 16 minimums), then the block's other bytes
+ * as words, word j of the 16 rows side by side (one uint16: bytes 4j .. 4j + 3 of
+ * each row; Q5_0's first word is its 32 fifth bits). A work-item takes one tile
+ * with the rows as the 16 lanes of its vectors, so an input element is one
+ * broadcast and no sum crosses lanes. An element is unpacked without a widen or a
+ * conversion: one shift puts its 4 bits at the top of a float's mantissa and one
+ * mask-and-or (vpternlogd) gives f = 1 + u/16 (Q5_0, its fifth bit joined once a
+ * word: 1 + u/32), three instructions an element with its FMA, where the byte
+ * planes this replaces took three and a half (a widen per byte, a mask or shift
+ * and a conversion per nibble). f - 1.5 is (u - z)/16 exactly (z = 8; Q5_0
+ * (u - 16)/32): tiles of 4 or 8 tokens take that; one token sums f x and takes
+ * off 1.5 sum(x) once a block. Word by word, not unrolled: four words loaded at
+ * once stream 10% slower (T = 1) and spill beside 2 TPI accumulators (T = 8).
+ * Against the byte planes, Zen 5, Intel's runtime, medians of 9 alternating,
+ * streamed / cached: Q4_0 9728x896 T = 1 124 / 83 -> 123 / 73 us, T = 8 412 /
+ * 326 -> 402 / 298, T = 64 2661 / 2645 -> 2469 / 2376; Q5_0 T = 1 148 / 114 ->
+ * 140 / 92 (opencl/README.md). The values are those of dequantize; the sums
+ * run in another order. */
 #if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q4_1)) || defined(ACT_Q8)
 #error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1, and float activations"
 #endif
 #undef RPI
 #define RPI ROW_TILE                              /* a work-item's rows: one tile */
 #define RT_ACCS 4                                 /* T = 1: independent FMA chains per block */
-#if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1)
-#define RT_HIGH_DECL(p)
-#define RT_LO(q, c) ((q) & 15u)
-#define RT_HI(q, c) ((q) >> 4)
-#endif
+#define RT_SHIFT(v, s) ((s) >= 0 ? (v) << (s) : (v) >> -(s))
 #ifdef WEIGHT_Q4_0
 #define RT_BYTES (16 * LOOM_Q4_0_BYTES)           /* a tile's block */
-#define RT_QS 32                                  /* where its quant byte planes start */
-#define RT_ZERO 8.0f                              /* w = (u - RT_ZERO) d */
+#define RT_QS 32                                  /* where its quant words start */
+#define RT_BIAS 1.5f                              /* (f - RT_BIAS) RT_SCALE = u - 8 */
 #elif defined(WEIGHT_Q4_1)
-#define RT_BYTES (16 * LOOM_Q4_1_BYTES)           /* 16 scales d, 16 minimums m, the quant bytes */
+#define RT_BYTES (16 * LOOM_Q4_1_BYTES)           /* 16 scales d, 16 minimums m, the quant words */
 #define RT_QS 64
-#define RT_MIN 1                                  /* w = u d + m */
+#define RT_BIAS 1.0f                              /* u: w = u d + m */
+#define RT_MIN 1
 #else
 #define RT_BYTES (16 * LOOM_Q5_0_BYTES)
-#define RT_QS 96
-#define RT_ZERO 16.0f
-/* the 16 rows' 32-bit qh: bit c is element c's fifth bit */
-#define RT_HIGH_DECL(p) const uint16 h = convert_uint16(vload16(0, (p) + 32)) | convert_uint16(vload16(1, (p) + 32)) << 8 \
-    | convert_uint16(vload16(2, (p) + 32)) << 16 | convert_uint16(vload16(3, (p) + 32)) << 24;
-/* bit b of h moved to bit 4 (b a literal: one shift and a mask) */
-#define RT_BIT4(b) (((b) <= 4 ? h << (4 - (b)) : h >> ((b) - 4)) & 16u)
-#define RT_LO(q, c) (((q) & 15u) | RT_BIT4(c))
-#define RT_HI(q, c) (((q) >> 4) | RT_BIT4((c) + 16))
+#define RT_QS 96                                  /* after the fifth bits' word */
+#define RT_BIAS 1.5f                              /* (f - 1.5) 32 = u - 16 */
 #endif
-
-/* A block's sum s = sum(u x) for one token, x's own sum sx: w = (u - z) d gives
- * d (s - z sx), w = u d + m (Q4_1) d s + m sx. */
-#ifdef RT_MIN
-#define RT_BLOCK(acc, s, sx) fma(d, (s), fma(m, (sx), (acc)))
-#define RT_MIN_DECL(p) const float16 m = vload_half16(1, (const __global half *)(p));
-#define RT_W(v) (v)
+/* Word j holds elements 4j + b (b = 0..3) in its low nibbles (bits 8b) and 4j + b +
+ * 16 in its high ones. RT_WORD gives wl and wh, where RT_F finds element 4j + b
+ * and 4j + b + 16 at bit RT_AT(b, 0) and RT_AT(b, 1): for Q5_0, the nibbles with
+ * their fifth bits at bit 8b + 4, which tile_blocks placed in h so that one shift
+ * and one bitselect a word join them (h's bit 8b + 4 + j is element 4j + b's, bit
+ * 8b + j element 4j + b + 16's). */
+#ifdef WEIGHT_Q5_0
+#define RT_SCALE 32.0f
+#define RT_TOP 18                                 /* the value's lowest bit in f: 1 + u/32 */
+#define RT_MASK 0x007C0000u
+#define RT_AT(b, hi) (8 * (b))
+#define RT_HIGH_DECL(p) const uint16 h = vload16(0, (const __global uint *)((p) + 32));
+#define RT_WORD(w, j) const uint16 wl = bitselect(h >> (j), (w), (uint16)(0x0F0F0F0Fu)), \
+    wh = bitselect(h << (4 - (j)), (w) >> 4, (uint16)(0x0F0F0F0Fu));
 #else
-#define RT_BLOCK(acc, s, sx) fma(d, (s) - RT_ZERO * (sx), (acc))
+#define RT_SCALE 16.0f
+#define RT_TOP 19                                 /* 1 + u/16 */
+#define RT_MASK 0x00780000u
+#define RT_AT(b, hi) (8 * (b) + 4 * (hi))
+#define RT_HIGH_DECL(p)
+#define RT_WORD(w, j) const uint16 wl = (w), wh = (w);
+#endif
+#define RT_F(v, b, hi) as_float16((RT_SHIFT(v, RT_TOP - RT_AT(b, hi)) & RT_MASK) | 0x3F800000u)
+
+/* A block's sum s = sum(f x) for one token, x's own sum sx: w = (u - z) d gives
+ * RT_SCALE d (s - RT_BIAS sx), w = u d + m (Q4_1) 16 d (s - sx) + m sx. Wider
+ * tiles sum RT_W(f) x: f - RT_BIAS for Q4_0 and Q5_0; Q4_1 sums f itself, since it
+ * needs each token's sx anyway (16 d s + (m - 16 d) sx). */
+#ifdef RT_MIN
+#define RT_MIN_DECL(p) const float16 m = vload_half16(1, (const __global half *)(p));
+#define RT_BLOCK(acc, s, sx) fma(RT_SCALE * d, (s) - RT_BIAS * (sx), fma(m, (sx), (acc)))
+#define RT_W(f) (f)
+#else
 #define RT_MIN_DECL(p)
-#define RT_W(v) ((v) - RT_ZERO)
+#define RT_BLOCK(acc, s, sx) fma(RT_SCALE * d, (s) - RT_BIAS * (sx), (acc))
+#define RT_W(f) ((f) - RT_BIAS)
 #endif
 
 /* Rows n0 .. n0 + 15 (one tile; rows >= nr are padding: computed, not stored) x nt
- * tokens from t0. One token sums u * x per block and applies the block's scale
- * (and zero point or minimum) once (RT_BLOCK); wider tiles convert w - m / d
- * once for their nt tokens (Q4_1 adds m sum(x) per token and block). */
+ * tokens from t0. One token sums f x per block and applies the block's scale
+ * (and zero point or minimum) once (RT_BLOCK); wider tiles take RT_W(f) once
+ * for their nt tokens (Q4_1 adds m sum(x) per token and block). */
 __attribute__((always_inline)) inline void mm_tile(
     const __global float *X, int ldx, const __global WTYPE *W,
     const __global float *bias, __global float *Y, int ldy,
@@ -400,37 +423,44 @@ __attribute__((always_inline)) inline void mm_tile(
             #pragma unroll
             for (int a = 0; a < RT_ACCS; a++)
                 s[a] = (float16)(0.0f);
-            #pragma unroll
-            for (int c = 0; c < 16; c++) {
-                const uint16 q = convert_uint16(vload16(c, p + RT_QS));
-                s[2 * c % RT_ACCS] = fma(convert_float16(RT_LO(q, c)), x[c], s[2 * c % RT_ACCS]);
-                s[(2 * c + 1) % RT_ACCS] = fma(convert_float16(RT_HI(q, c)), x[c + 16], s[(2 * c + 1) % RT_ACCS]);
+            #pragma unroll 1                      /* a word at a time (above) */
+            for (int j = 0; j < 4; j++) {
+                const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
+                RT_WORD(w, j)
+                #pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    const int c = 4 * j + b;
+                    s[2 * c % RT_ACCS] = fma(RT_F(wl, b, 0), x[c], s[2 * c % RT_ACCS]);
+                    s[(2 * c + 1) % RT_ACCS] = fma(RT_F(wh, b, 1), x[c + 16], s[(2 * c + 1) % RT_ACCS]);
+                }
             }
-            #pragma unroll
-            for (int a = 1; a < RT_ACCS; a++)
-                s[0] += s[a];
-            acc[0] = RT_BLOCK(acc[0], s[0], loom_hsum16(xs));
+            acc[0] = RT_BLOCK(acc[0], (s[0] + s[1]) + (s[2] + s[3]), loom_hsum16(xs));
         } else {
             float16 s[TPI];
             #pragma unroll
             for (int j = 0; j < TPI; j++)
                 s[j] = (float16)(0.0f);
-            #pragma unroll
-            for (int c = 0; c < 16; c++) {
-                const uint16 q = convert_uint16(vload16(c, p + RT_QS));
-                const float16 lo = RT_W(convert_float16(RT_LO(q, c))), hi = RT_W(convert_float16(RT_HI(q, c)));
+            #pragma unroll 1
+            for (int j = 0; j < 4; j++) {
+                const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
+                RT_WORD(w, j)
                 #pragma unroll
-                for (int j = 0; j < TPI; j++)
-                    if (j < nt)
-                        s[j] = fma(hi, xrow[j][kb + c + 16], fma(lo, xrow[j][kb + c], s[j]));
+                for (int b = 0; b < 4; b++) {
+                    const float16 lo = RT_W(RT_F(wl, b, 0)), hi = RT_W(RT_F(wh, b, 1));
+                    const int c = kb + 4 * j + b;
+                    #pragma unroll
+                    for (int t = 0; t < TPI; t++)
+                        if (t < nt)
+                            s[t] = fma(hi, xrow[t][c + 16], fma(lo, xrow[t][c], s[t]));
+                }
             }
             #pragma unroll
             for (int j = 0; j < TPI; j++) {
 #ifdef RT_MIN
                 const float16 xs = vload16(0, xrow[j] + kb) + vload16(1, xrow[j] + kb);
-                acc[j] = RT_BLOCK(acc[j], s[j], loom_hsum16(xs));
+                acc[j] = fma(RT_SCALE * d, s[j], fma(m - RT_SCALE * d, loom_hsum16(xs), acc[j]));
 #else
-                acc[j] = fma(d, s[j], acc[j]);
+                acc[j] = fma(RT_SCALE * d, s[j], acc[j]);
 #endif
             }
         }
@@ -708,7 +738,7 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
     const __global uchar *p = W + ((size_t)(n / 16) * (K / LOOM_QK) + kb / LOOM_QK) * RT_BYTES;
     const float d = vload_half(lane, (const __global half *)p);
 #ifdef WEIGHT_Q5_0
-    const uint h = p[32 + lane] | (uint)p[48 + lane] << 8 | (uint)p[64 + lane] << 16 | (uint)p[80 + lane] << 24;
+    const uint h = ((const __global uint *)(p + 32))[lane];
 #else
     const uint h = 0;
 #endif
@@ -716,12 +746,13 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
     const float m = vload_half(16 + lane, (const __global half *)p);
 #define RT_VALUE(u) ((float)(u) * d + m)
 #else
-#define RT_VALUE(u) (((float)(u) - RT_ZERO) * d)
+#define RT_VALUE(u) (((float)(u) - (RT_BIAS - 1.0f) * RT_SCALE) * d)     /* z = 8 (Q5_0 16) */
 #endif
-    for (int c = 0; c < 16; c++) {
-        const uint q = p[RT_QS + c * 16 + lane];
-        Y[kb + c] = RT_VALUE((q & 15u) | ((h >> c) & 1u) << 4);
-        Y[kb + c + 16] = RT_VALUE((q >> 4) | ((h >> (c + 16)) & 1u) << 4);
+    for (int c = 0; c < 16; c++) {          /* byte b of word j; h's bits as RT_WORD reads them */
+        const int j = c / 4, b = c % 4;
+        const uint q = p[RT_QS + (j * 16 + lane) * 4 + b];
+        Y[kb + c] = RT_VALUE((q & 15u) | ((h >> (8 * b + 4 + j)) & 1u) << 4);
+        Y[kb + c + 16] = RT_VALUE((q >> 4) | ((h >> (8 * b + j)) & 1u) << 4);
     }
 #else
     const __global WTYPE *wrow[RPI];

@@ -630,8 +630,9 @@ def test_tile_layout_against_loops(shape, axis, width):
        st.sampled_from([1, 4, 16]), st.integers(0, 2**32 - 1))
 def test_tile_blocks_puts_every_byte_where_the_kernels_read_it(storage, rows, blocks, width, seed):
     """runtime.tile_blocks: per tile of `width` rows and block column, each scale field's 2
-    bytes row after row, then the block's other bytes, each as `width` bytes one per row
-    (rows past the end are zeros); storage_bytes agrees with the size."""
+    bytes row after row, then the block's other bytes four at a time, each word as `width`
+    4-byte groups one per row (rows past the end are zeros); storage_bytes agrees with the
+    size."""
     from loom.runtime import storage_bytes, tile_blocks
     values, size = weights.BLOCK_LAYOUT[storage]
     raw = np.random.default_rng(seed).integers(0, 256, (rows, blocks, size), dtype=np.uint8)
@@ -643,10 +644,22 @@ def test_tile_blocks_puts_every_byte_where_the_kernels_read_it(storage, rows, bl
     rest = [i for i in range(size) if all(i not in (at, at + 1) for at in fields)]
     for n in range(tiles * width):
         t, lane = divmod(n, width)
-        row = raw[n] if n < rows else np.zeros((blocks, size), np.uint8)
+        row = raw[n].copy() if n < rows else np.zeros((blocks, size), np.uint8)
+        if storage == "Q5_0":
+            # element e's fifth bit (qh bit e) where matmul.cl's ROW_TILE reads it: element
+            # 4j + b at 8b + 4 + j, element 16 + 4j + b at 8b + j
+            qh = row[:, 2:6].copy().view("<u4")[:, 0]
+            moved = np.zeros_like(qh)
+            for j in range(4):
+                for b in range(4):
+                    moved |= ((qh >> (4 * j + b)) & 1) << (8 * b + 4 + j)
+                    moved |= ((qh >> (16 + 4 * j + b)) & 1) << (8 * b + j)
+            row[:, 2:6] = moved.view(np.uint8).reshape(-1, 4)
         for f, at in enumerate(fields):
             start = f * 2 * width + 2 * lane
             assert np.array_equal(got[t, :, start:start + 2], row[:, at:at + 2])
         base = len(fields) * 2 * width
+        assert len(rest) % 4 == 0
         for i, byte in enumerate(rest):
-            assert np.array_equal(got[t, :, base + i * width + lane], row[:, byte])
+            word, at = divmod(i, 4)
+            assert np.array_equal(got[t, :, base + (word * width + lane) * 4 + at], row[:, byte])
