@@ -66,7 +66,7 @@ BUILTINS = {
 # Visible to specs: the checkpoint format ("gguf", "safetensors" or "ctranslate2"), the
 # device's driver family ("pocl", "intel", "nvidia", ...: device.driver_family) and its native
 # float vector width (8 on AVX2, 16 with AVX-512; 0 unknown).
-SPEC_PREDEFINED = ("format", "driver", "vector_width")
+SPEC_PREDEFINED = ("format", "driver", "vector_width", "int8_dot")
 
 STATEMENT_OPS = ("let", "scratch", "for", "if", "else", "end", "launch", "invoke")
 

@@ -42,7 +42,7 @@ def job(device_info, binding, built, trials):
     return {"device": f"{device_info['platform']}:{device_info['device']}",
             "module": binding.module, "metadata": binding.metadata, "tensors": binding.tensors,
             "options": binding.options, "format": binding.format, "driver": binding.driver,
-            "vector_width": binding.vector_width,
+            "vector_width": binding.vector_width, "int8_dot": binding.int8_dot,
             "binaries": {key: executable.binary() for key, executable in built.items()}, "trials": trials}
 
 
@@ -96,7 +96,7 @@ def _run(job):
     dev = device.Device(job["device"])
     compiler = Compiler(dev, run_now)
     binding = vm.bind(job["module"], job["metadata"], job["tensors"], job["options"], job["format"], job["driver"],
-                      job["vector_width"])
+                      job["vector_width"], job["int8_dot"])
     buffers = {}
     for key, bp in binding.params.items():
         if bp.alias is None:

@@ -387,7 +387,7 @@ class Registry:
     def devices(self):
         """The probe table for /v1/status: every device found, usable or not, and the one in use."""
         keys = ("index", "platform", "device", "platform_name", "driver", "name", "type", "driver_version",
-                "opencl_version", "usable", "reason")
+                "opencl_version", "int8_dot", "usable", "reason")
         return [dict({k: row.get(k) for k in keys}, in_use=row["index"] == self.device.info["index"])
                 for row in self.device.devices]
 

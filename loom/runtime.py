@@ -616,7 +616,7 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
         metadata.update(_flatten(metadata.get("config", {}), "config."))
         try:
             binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""),
-                              device.info.get("vector_width", 0))
+                              device.info.get("vector_width", 0), device.info.get("int8_dot", False))
         except LoomError as e:
             raise PrepareError(str(e), "bind") from None
         sources = kernel_sources(module, compiler, includes)
@@ -731,7 +731,7 @@ def stage_binding(prepared, source_paths, loaded=None, includes=None):
     base = prepared.binding
     try:
         binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format, base.driver,
-                          base.vector_width)
+                          base.vector_width, base.int8_dot)
     except LoomError as e:
         raise PrepareError(f"the sources do not bind to this deployment's checkpoint: {e}", "contract") from None
     old, new = base.contract(), binding.contract()

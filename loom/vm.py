@@ -232,12 +232,13 @@ def call_builtin(name, args, scope):
 
 class Binding:
     def __init__(self, module, specs, params, states, tensors, options, metadata=None, fmt=None, driver="",
-                 vector_width=0):
+                 vector_width=0, int8_dot=False):
         self.module = module
         self.metadata = metadata or {}
         self.format = fmt
         self.driver = driver
         self.vector_width = vector_width
+        self.int8_dot = int8_dot
         self.specs = specs            # name -> value
         self.params = params          # (name, index) -> BoundParam
         self.states = states          # name -> BoundState
@@ -500,14 +501,15 @@ def _match_blocks(body):
     return matching
 
 
-def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_width=0):
+def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_width=0, int8_dot=False):
     """Evaluate specs, resolve params to tensors and size states.
 
     metadata: checkpoint key/values; tensors: name -> Tensor; options: the
     model document's options (plus deployment sizing such as "pages"); driver:
     the device's driver family ("pocl", "intel", ...) and vector_width its
     native float vector width (8 on AVX2 CPUs, 16 with AVX-512; 0 unknown), so
-    a package can choose the kernel geometry that is fastest on it.
+    a package can choose the kernel geometry that is fastest on it; int8_dot
+    whether its kernels may use AVX512-VNNI dot products (device.int8_dot).
     """
     options = dict(options or {})
     specs = {}
@@ -573,7 +575,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_wi
     builtins = {"meta": meta, "shape": shape, "has": lambda name: expand(name, specs) in tensors, "count": count,
                 "option": lambda k, *d: _option(options, k, d)}
     for spec in module.specs:
-        names = dict(specs, format=fmt or "", driver=driver, vector_width=vector_width)
+        names = dict(specs, format=fmt or "", driver=driver, vector_width=vector_width, int8_dot=bool(int8_dot))
         specs[spec.name] = evaluate(spec.code, Scope(names, scoped(names), f"spec {spec.name}"))
     scope_names = dict(specs)
     params = {}
@@ -609,7 +611,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_wi
         scope = Scope(scope_names, builtins, f"state {s.name}")
         page = None if s.page is None else _dim(evaluate(s.page, scope), scope.where)
         states[s.name] = BoundState(s.name, s.dtype, page, tuple(_dim(evaluate(d, scope), scope.where) for d in s.dims))
-    return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver, vector_width)
+    return Binding(module, specs, params, states, tensors, options, metadata, fmt, driver, vector_width, int8_dot)
 
 
 # Block formats stay blocks on the device (the kernels dequantize them); BF16 becomes F32.

@@ -123,6 +123,21 @@ def probed(*rows):
             for i, (platform, version, kind, reason) in enumerate(rows)]
 
 
+def test_int8_dot_needs_intels_runtime_and_vnni_flags(tmp_path, monkeypatch):
+    """device.int8_dot: Intel's runtime on a CPU listing avx512_vnni and avx512bw, and no
+    CL_CONFIG_CPU_TARGET_ARCH (another target without the instruction would abort the compiler)."""
+    monkeypatch.delenv("CL_CONFIG_CPU_TARGET_ARCH", raising=False)
+    vnni, plain = tmp_path / "vnni", tmp_path / "plain"
+    vnni.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx_vnni\n\n")
+    assert loom_device.int8_dot("intel", vnni)
+    assert not loom_device.int8_dot("intel", plain)         # AVX-VNNI (256-bit) is not AVX512-VNNI
+    assert not loom_device.int8_dot("pocl", vnni)
+    assert not loom_device.int8_dot("intel", tmp_path / "missing")
+    monkeypatch.setenv("CL_CONFIG_CPU_TARGET_ARCH", "icelake-server")
+    assert not loom_device.int8_dot("intel", vnni)
+
+
 def test_driver_families():
     assert driver_family("Portable Computing Language") == "pocl"
     assert driver_family("Intel(R) OpenCL") == "intel"
@@ -236,6 +251,7 @@ def test_a_failing_device_is_skipped_reported_and_the_next_chosen(monkeypatch, t
     assert failed["usable"] is False and failed["in_use"] is False
     assert failed["reason"] == "probe raised RuntimeError: error: simulated driver fault"
     assert failed["platform_name"] == best["platform_name"] and failed["driver_version"] == best["driver_version"]
+    assert {i: d["int8_dot"] for i, d in rows.items()} == {d["index"]: d["int8_dot"] for d in list_devices()}
     chosen = [d for d in status["devices"] if d["in_use"]]
     assert [d["index"] for d in chosen] == [following["index"]] and chosen[0]["usable"]
     assert status["resources"]["device"]["index"] == following["index"]

@@ -45,7 +45,7 @@ class Program:
 
 class Env:
     def __init__(self, selector):
-        self.device = loom_device._enumerate()[int(selector)][0]
+        self.device, self.info = loom_device._enumerate()[int(selector)]
         self.ctx = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.ctx)
         self.programs = {}
@@ -691,6 +691,104 @@ def test_dequantize_row_tiles_is_exact(env, kind):
     env.run(prg.dequantize, (k // 32, n), None, env.buf(tile_blocks(raw, n, kind, 16)), yb)
     got = env.read(yb, (n + 1, k))
     assert np.array_equal(got[:n].astype(np.float64), ref) and np.isnan(got[n]).all()
+
+
+# ------------------------------------------ tiles by int8 dot products (INT8_DOT, quantize_x)
+
+def quantize_rows(env, kind, x):
+    """quantize_x's output for x [T, K] (INT8_DOT programs: Intel's runtime on VNNI CPUs)."""
+    t, k = x.shape
+    prg = env.build("matmul", K=k, N=16, ROW_TILE=16, TOKENS_PER_ITEM=8, INT8_DOT=1, **{"WEIGHT_" + kind: True})
+    xb = env.buf(np.pad(x, ((0, 0), (0, 3)), constant_values=np.nan))      # ldx K + 3: the pad is never read
+    qb = env.buf(np.full((t, k // 32, 20), -1, np.int32))
+    env.run(prg.quantize_x, (k // 32, t), None, xb, i32(k + 3), qb, i32(t))
+    return env.read(qb, (t, k // 32, 20), np.int32)
+
+
+def dequantized_inputs(q):
+    """x^ = s (h + l / 256) from quantize_x's blocks, in float64."""
+    digits = q[..., :16].copy().view(np.int8).astype(np.float64)      # [T, blocks, 64]: h then l
+    scale = q[..., 16].copy().view(np.float32).astype(np.float64)[..., None]
+    xhat = scale * (digits[..., :32] + digits[..., 32:] / 256.0)
+    return xhat.reshape(q.shape[0], -1)
+
+
+def needs_int8_dot(env):
+    if not env.info.get("int8_dot"):
+        pytest.skip("int8 dot products need Intel's runtime on an AVX512-VNNI CPU (device.int8_dot)")
+
+
+def test_quantize_x_holds_each_value_in_two_int8_digits(env):
+    """Per block of 32: s = max|x| / 127, h = round(x / s), l = round((x - h s) 256 / s) in
+    [-127, 127], so |x - s (h + l / 256)| <= s / 512; the digits' sums beside them; a zero
+    block all zeros; 4 spare bytes zero."""
+    needs_int8_dot(env)
+    r = rng(90)
+    x = (r.standard_normal((3, 128)) * np.array([1.0, 1e-3, 50.0])[:, None]).astype(np.float32)
+    x[1, 32:64] = 0.0
+    x[2, 64] = 6e4                          # one large value beside small ones
+    q = quantize_rows(env, "Q4_0", x)
+    digits = q[..., :16].copy().view(np.int8).astype(np.int64)
+    scale = q[..., 16].copy().view(np.float32).astype(np.float64)
+    blocks = x.reshape(3, 4, 32).astype(np.float64)
+    assert np.allclose(scale, np.abs(blocks).max(axis=2) / 127, rtol=1e-6, atol=0)
+    assert np.abs(digits).max() <= 127
+    assert np.array_equal(q[..., 17], digits[..., :32].sum(axis=2)) and np.array_equal(q[..., 18], digits[..., 32:].sum(axis=2))
+    assert (q[..., 19] == 0).all() and (q[1, 1] == 0).all()
+    err = np.abs(dequantized_inputs(q).reshape(3, 4, 32) - blocks)
+    assert (err <= scale[..., None] / 512 * (1 + 1e-5) + 1e-30).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+def test_matmul_int8_dot_tiles_meet_numpy(env, kind):
+    """INT8_DOT tiles of 2, 4 and 8 tokens at every tail width, bias and residual: the
+    quantized inputs' products exactly as float64 numpy forms them from the same digits
+    (to float32 rounding), and within 1e-4 of the float products."""
+    needs_int8_dot(env)
+    n, k = 37, 896
+    raw, ref = make_weights(kind, random_weights(91, n, k))
+    r = rng(92)
+    x = r.standard_normal((19, k)).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((19, n)).astype(np.float32)
+    q = quantize_rows(env, kind, x)
+    exact = dequantized_inputs(q) @ ref.T
+    want = x.astype(np.float64) @ ref.T
+    qb = env.buf(q)
+    for tpi, ts in ((2, (1, 2, 3)), (4, (1, 3, 4, 9)), (8, (1, 7, 8, 9, 16, 19))):
+        for t in ts:
+            got = run_row_tiles(env, kind, n, k, q[:t], raw, tpi, bias=bias, y0=y0[:t], extra=dict(INT8_DOT=1))
+            assert_close(got, exact[:t] + bias + y0[:t], 2e-6)
+            assert_close(got, want[:t] + bias + y0[:t], REL[kind])
+    plain = run_row_tiles(env, kind, n, k, q, raw, 8, extra=dict(INT8_DOT=1))
+    assert_close(plain, exact, 2e-6)
+    del qb
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+def test_matmul_cat_int8_dot_tiles_give_each_matrix_its_own_bits(env, kind):
+    needs_int8_dot(env)
+    rows, k = (32, 16, 16), 96
+    mats = [make_weights(kind, random_weights(80 + i, n, k)) for i, n in enumerate(rows)]
+    q = quantize_rows(env, kind, rng(83).standard_normal((9, k)).astype(np.float32))
+    prg = env.build("matmul", K=k, N=sum(rows), N0=rows[0], N1=rows[1], ROW_TILE=16, TOKENS_PER_ITEM=8,
+                    WG=8, INT8_DOT=1, **{"WEIGHT_" + kind: True})
+    yb = env.buf(np.full((9, sum(rows)), np.nan, np.float32))
+    env.run(prg.matmul_cat, (8, 1), (8, 1), env.buf(q), i32(0), i32(k),
+            *[env.buf(tile_blocks(raw, n, kind, 16)) for (raw, _), n in zip(mats, rows)],
+            None, None, None, yb, i32(0), i32(sum(rows)), i32(9))
+    got = env.read(yb, (9, sum(rows)))
+    col = 0
+    for (raw, ref), n in zip(mats, rows):
+        alone = run_row_tiles(env, kind, n, k, q, raw, 8, extra=dict(INT8_DOT=1))
+        assert np.array_equal(got[:, col:col + n].view(np.uint32), alone.view(np.uint32))
+        col += n
+
+
+def test_matmul_int8_dot_needs_row_tiles(env):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=64, N=16, WEIGHT_Q4_0=True, INT8_DOT=1)
+    assert "INT8_DOT needs ROW_TILE" in str(e.value)
 
 
 @pytest.mark.parametrize("macros", [dict(WEIGHT_Q8_0=True), dict(WEIGHT_Q4_0=True, ACT_Q8=True),

@@ -309,6 +309,15 @@ param w : weight [16, 64] = "w"
 '''
 
 
+def test_int8_dot_is_predefined():
+    """`int8_dot` (whether the device's kernels may use AVX512-VNNI dot products) is a predefined
+    spec name, false unless the device says so, kept on the binding for rebinding and proving."""
+    module = language.parse("module m\nspec DOT = int8_dot ? 1 : 0\n", "m.loom")
+    assert vm.bind(module, {}, {}).specs["DOT"] == 0
+    binding = vm.bind(module, {}, {}, int8_dot=True)
+    assert binding.specs["DOT"] == 1 and binding.int8_dot is True
+
+
 def test_vector_width_is_predefined_and_dtype_reads_scratch_buffers():
     """`vector_width` (the device's float vector width) is a predefined spec name; dtype() of a
     scratch buffer is its own type, so one kernel declaration takes a param or a widened copy."""
