@@ -315,13 +315,17 @@ def _device_type(dev) -> str:
     return "other"
 
 
-def int8_dot(driver: str, cpuinfo="/proc/cpuinfo") -> bool:
+def int8_dot(driver: str, driver_version: str, cpuinfo="/proc/cpuinfo") -> bool:
     """Whether kernels may name AVX512-VNNI's vpdpbusd (matmul.cl's INT8_DOT): Intel's
     CPU runtime compiles for the host's instruction set and passes LLVM's x86
-    intrinsics through, on a CPU whose flags list avx512_vnni and avx512bw. Not
-    when CL_CONFIG_CPU_TARGET_ARCH picks another target (an intrinsic the target
-    lacks aborts the compiler, and with it the process)."""
+    intrinsics through, on a CPU whose flags list avx512_vnni and avx512bw. Only
+    runtimes from 2026 on (the intrinsic's byte-vector operands of their LLVM; the
+    one make install pins is 2026.2), and not when CL_CONFIG_CPU_TARGET_ARCH picks
+    another target: an intrinsic the compiler cannot lower aborts it, and with it
+    the process."""
     if driver != "intel" or os.environ.get("CL_CONFIG_CPU_TARGET_ARCH"):
+        return False
+    if (_version(driver_version) or (0,))[0] < 2026:
         return False
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
@@ -388,7 +392,8 @@ def _discover(probe=True) -> list:
                 "max_allocation_bytes": int(dev.max_mem_alloc_size),
                 "compute_units": int(dev.max_compute_units),
                 "vector_width": int(dev.native_vector_width_float),
-                "int8_dot": _device_type(dev) == "cpu" and int8_dot(driver_family(platform_name)),
+                "int8_dot": _device_type(dev) == "cpu" and int8_dot(driver_family(platform_name),
+                                                                   dev.driver_version.strip()),
                 "fp16": "cl_khr_fp16" in extensions,
                 "fp64": "cl_khr_fp64" in extensions,
                 "extensions": extensions,

@@ -124,18 +124,19 @@ def probed(*rows):
 
 
 def test_int8_dot_needs_intels_runtime_and_vnni_flags(tmp_path, monkeypatch):
-    """device.int8_dot: Intel's runtime on a CPU listing avx512_vnni and avx512bw, and no
-    CL_CONFIG_CPU_TARGET_ARCH (another target without the instruction would abort the compiler)."""
+    """device.int8_dot: Intel's runtime from 2026 on a CPU listing avx512_vnni and avx512bw, and
+    no CL_CONFIG_CPU_TARGET_ARCH (another target without the instruction would abort the compiler)."""
     monkeypatch.delenv("CL_CONFIG_CPU_TARGET_ARCH", raising=False)
     vnni, plain = tmp_path / "vnni", tmp_path / "plain"
     vnni.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n\n")
     plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx_vnni\n\n")
-    assert loom_device.int8_dot("intel", vnni)
-    assert not loom_device.int8_dot("intel", plain)         # AVX-VNNI (256-bit) is not AVX512-VNNI
-    assert not loom_device.int8_dot("pocl", vnni)
-    assert not loom_device.int8_dot("intel", tmp_path / "missing")
+    assert loom_device.int8_dot("intel", "2026.22.10.0.01_160000", vnni)
+    assert not loom_device.int8_dot("intel", "2026.22.10.0.01_160000", plain)   # AVX-VNNI (256-bit) is not AVX512-VNNI
+    assert not loom_device.int8_dot("intel", "2025.20.6.0.04_224945", vnni)     # an older LLVM's intrinsic form
+    assert not loom_device.int8_dot("pocl", "3.1", vnni)
+    assert not loom_device.int8_dot("intel", "2026.22.10.0.01_160000", tmp_path / "missing")
     monkeypatch.setenv("CL_CONFIG_CPU_TARGET_ARCH", "icelake-server")
-    assert not loom_device.int8_dot("intel", vnni)
+    assert not loom_device.int8_dot("intel", "2026.22.10.0.01_160000", vnni)
 
 
 def test_driver_families():
