@@ -463,8 +463,15 @@ class ExecPlan:
         self.executables = []
 
 
+# Runs of one step in flight at once: before enqueuing run r the submission thread
+# waits for run r - RUNS_AHEAD (done by then on a driver whose enqueue keeps pace with
+# the device) and hands its results to the loop, so a long chain of runs streams its
+# tokens as they come and can end early (`more`) without the device ever idling.
+RUNS_AHEAD = 2
+
+
 def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=None, on_submit=None, keep=(),
-              bound=None, runs=1, on_run=None):
+              bound=None, runs=1, on_run=None, more=None):
     """Upload `inputs` (name -> array), run `command`'s plan for `geometry`, download
     `outputs` (name -> (dtype, count)); done(values, error) on the loop thread.
     The loop only allocates and plans: the device's submission thread enqueues the
@@ -472,13 +479,15 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
     loop never blocks on the device, not even in a driver's enqueue. With
     `after(buffers, run) -> (transfers, cleanup, feed)` more work is queued behind the
     plan on the submission thread (sampling), and its transfers are the step's results.
-    With runs > 1 the plan runs that many times back to back, each run taking the
+    With runs > 1 the plan runs up to that many times back to back, each run taking the
     previous run's `feed` = (arrays uploaded over those inputs, name -> DeviceBuffer
     bound in their place: the sampled ids as the next tokens), so the device goes on
     without waiting for the host; on_run(run, values) gets every run's results but
-    the last's, on the loop, in order, as they complete once all are enqueued (done
-    gets the last's). (Waiting from the first run on streamed a small model's tokens
-    more evenly but cost it ~8 % of its decode: the loop's work then met the enqueue.)
+    the last's, on the loop, in order, as they complete (done gets the last's). Before
+    each run after the first, more() (on the submission thread) may end the chain: the
+    step then has the runs enqueued so far. (A worker waiting on every run from the
+    first cost a small model ~8 % of its decode: Intel's runtime spins in a wait, on
+    a core the kernels need. The submission thread's waits are for runs already done.)
     on_submit() runs on the loop once the step is handed over (its deadline starts).
     Outputs named in `keep` stay on the device: their values are the DeviceBuffers,
     complete when done runs, which the caller releases. `bound` (name -> DeviceBuffer)
@@ -507,11 +516,17 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
         return
 
     def enqueue(plan):
-        """On the submission thread: nothing here waits for the device. -> ([transfers of
-        each run], [cleanups])"""
-        arrays, on_device, results, cleanups = inputs, bound, [], []
+        """On the submission thread: nothing here waits for the device but for runs
+        RUNS_AHEAD back. -> ([transfers of each run], [cleanups], runs handed to on_run)"""
+        arrays, on_device, results, cleanups, delivered = inputs, bound, [], [], 0
         try:
             for run in range(runs):
+                if run and more is not None and not more():
+                    break
+                if run >= RUNS_AHEAD:
+                    values = {name: t.wait() for name, t in results[delivered].items()}
+                    loop.call_soon_threadsafe(on_run, delivered, values)
+                    delivered += 1
                 for name, array in arrays.items():
                     device.upload_async(buffers[name], array)
                 if arrays is not inputs:
@@ -526,23 +541,23 @@ def run_stage(prepared, loop, command, geometry, inputs, outputs, done, after=No
                 results.append(transfers)
                 cleanups.append(cleanup)
                 if run + 1 < runs:
-                    arrays, more = feed
-                    on_device = dict(bound, **more)
+                    arrays, fed = feed
+                    on_device = dict(bound, **fed)
         except BaseException:
             for cleanup in cleanups:
                 cleanup()
             raise
-        return results, cleanups
+        return results, cleanups, delivered
 
     def enqueued(result, error):
         if error is not None:
             finish(None, error)
             return
-        results, cleanups = result
+        results, cleanups, delivered = result
 
         def wait_all():
-            for run, transfers in enumerate(results):
-                values = {name: t.wait() for name, t in transfers.items()}
+            for run in range(delivered, len(results)):
+                values = {name: t.wait() for name, t in results[run].items()}
                 if run + 1 < len(results):
                     loop.call_soon_threadsafe(on_run, run, values)
             return values

@@ -51,11 +51,12 @@ log = logging.getLogger("loom.scheduler")
 
 
 CONTROL_QUEUE = 32      # checkpoint controls waiting for a deployment's control slot
-# Decode tokens a cohort of decode rows runs ahead before the host sees them: the
-# host's ~0.6 ms of a step (results to the loop, SSE, the next launch, bench/text.py's
-# serving overhead) paid once per DECODE_RUNS tokens; a request arriving meanwhile
-# waits at most that many steps for its first chunk.
-DECODE_RUNS = 4
+# Decode tokens a cohort of decode rows may run on the device in one step: the host's
+# ~0.6 ms between steps (results to the loop, the next launch: bench/text.py's serving
+# overhead) is paid once per DECODE_RUNS tokens. Tokens stream as each run completes,
+# and the chain ends early, a run or two on, once a request waits, a row stops or is
+# cancelled, or a control wants the step boundary (_more).
+DECODE_RUNS = 16
 
 
 class Refused(Problem):
@@ -822,17 +823,28 @@ class TextEngine(CohortEngine):
         seqs = [self.rows[row] for row in cohort_rows]
         sample = self._sampler(R, params, seeds, inputs["pos"], runs)
         self.runs = runs
+        ran = [0]           # runs retired before the last
+
+        def ran_one(run, values):
+            ran[0] = run + 1
+            self._ran(work, values["ids"], run, seqs)
         runtime.run_stage(self.prepared, self.loop, command, {"T": len(tokens), "R": R}, inputs,
                           {"logits": (np.float32, R * self.vocab)},
-                          lambda values, error: done(values and dict(values, run=runs - 1, seqs=seqs), error),
-                          after=sample, on_submit=self.submitted, bound=bound, runs=runs,
-                          on_run=lambda run, values: self._ran(work, values["ids"], run, seqs))
+                          lambda values, error: done(values and dict(values, run=ran[0], seqs=seqs), error),
+                          after=sample, on_submit=self.submitted, bound=bound, runs=runs, on_run=ran_one,
+                          more=(lambda: self._more(seqs)) if runs > 1 else None)
 
     def _ran(self, work, ids, run, seqs):
         """A run before a cohort's last retired: its tokens go out now (not after a step
         that expired: that cohort's rows have ended)."""
         if self.cohort is work and not self.failed:
             self._apply_ids(work, ids, run, seqs)
+
+    def _more(self, seqs):
+        """On the submission thread, before another run of a decode chain: whether nothing
+        wants the step boundary (reads of loop state; one that is stale costs a run)."""
+        return not (self.waiting or self.boundary or self.control_waiting or self.failed) and all(
+            not seq.cancelled and seq.finish_reason is None and seq.ready() for seq in seqs)
 
     def _decode_runs(self, work):
         """How many runs of this step go to the device at once (DECODE_RUNS for a cohort

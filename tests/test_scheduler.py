@@ -136,15 +136,15 @@ def llama_model(device, tmp_path_factory):  # noqa: F811
 
 
 def test_decode_runs_ahead_on_the_device_with_the_tokens_of_single_steps(llama_model, monkeypatch):
-    """A cohort of decode rows runs DECODE_RUNS tokens ahead, each run fed the ids the one
-    before sampled: the same tokens (greedy, seeded sampling) as one token a step, rows that
-    stop or reach max_tokens in the middle of a cohort keep no token past that, an owner's
-    stop (a stop string) ends its row at once, and every page comes back."""
+    """A cohort of decode rows runs up to DECODE_RUNS tokens ahead, each run fed the ids the
+    one before sampled: the same tokens (greedy, seeded sampling) as one token a step, rows
+    that stop or reach max_tokens in the middle of a cohort keep no token past that, an
+    owner's stop (a stop string) ends its row at once, and every page comes back."""
     import loom.scheduler as scheduler
     prepared, weights = llama_model
     want, _ = greedy_reference(weights, "llama", [5, 6, 7], 12)
     outcomes, cohorts = {}, {}
-    for runs in (1, 4):
+    for runs in (1, 4, 16):
         monkeypatch.setattr(scheduler, "DECODE_RUNS", runs)
         loop = Loop(2)
         engine = TextEngine(prepared, loop, rows=4, pages=PAGES, page_size=PAGE)
@@ -179,15 +179,56 @@ def test_decode_runs_ahead_on_the_device_with_the_tokens_of_single_steps(llama_m
         engine.release_idle()
         assert engine.rows == [None] * 4 and engine.pool.available == PAGES
         loop.close()
-    assert outcomes[4] == outcomes[1]
-    assert set(cohorts[1]) == {1} and max(cohorts[4]) == 4       # it did run ahead...
-    assert len(cohorts[4]) < len(cohorts[1])                      # ...in fewer host round trips
+    assert outcomes[4] == outcomes[1] and outcomes[16] == outcomes[1]
+    assert set(cohorts[1]) == {1} and max(cohorts[4]) == 4 and max(cohorts[16]) > 4   # it did run ahead...
+    assert len(cohorts[16]) <= len(cohorts[4]) < len(cohorts[1])                    # ...in fewer host round trips
+
+
+def test_a_run_chain_ends_early_for_arrivals_and_cancellations(llama_model, monkeypatch):
+    """A long chain of decode runs streams each run's token as it completes, and ends a
+    run or two after a request arrives (which then starts at once, not after the whole
+    chain) or after a row is cancelled; tokens are those of single steps, pages come back."""
+    import loom.scheduler as scheduler
+    prepared, weights = llama_model
+    monkeypatch.setattr(scheduler, "DECODE_RUNS", 64)
+    want, _ = greedy_reference(weights, "llama", [5, 6, 7], 40)
+    loop = Loop(2)
+    engine = TextEngine(prepared, loop, rows=4, pages=PAGES, page_size=PAGE)
+    first = Sequence([5, 6, 7], max_tokens=40)
+    late = Sequence([9, 8, 7, 6], max_tokens=3)
+    seen = {}
+
+    def on_token(token):
+        if len(first.generated) == 3:
+            engine.submit(late)                     # arrives while the chain runs
+        if late.generated and "late" not in seen:
+            seen["late"] = len(first.generated)     # how far the first row went meanwhile
+    first.on_token = on_token
+    engine.submit(first)
+    run_all(engine, loop, [first, late])
+    assert first.generated == want and first.finish_reason == "length"
+    assert late.finish_reason == "length" and len(late.generated) == 3
+    assert seen["late"] <= 3 + 8, seen             # not after 40 tokens: the chain was cut
+
+    cancelled = Sequence([5, 6, 7], max_tokens=40)
+    cancelled.on_token = lambda token: len(cancelled.generated) == 4 and engine.cancel(cancelled)
+    engine.submit(cancelled)
+    run_all(engine, loop, [cancelled])
+    steps = engine.steps
+    for _ in range(20):
+        tick(loop)
+    assert cancelled.generated == want[:len(cancelled.generated)] and len(cancelled.generated) < 12
+    assert engine.steps == steps                  # nothing left running on its behalf
+    engine.release_idle()
+    assert engine.rows == [None] * 4 and engine.pool.available == PAGES
+    loop.close()
 
 
 def test_a_run_that_fails_to_enqueue_ends_the_stage_once(llama_model):
     """run_stage with runs: a run that fails to enqueue (its sampler, say) ends the stage
-    with the error, exactly once and with no run reported (the rows retire with it), and
-    every buffer of the stage is released, whichever run failed."""
+    with the error, exactly once (the rows retire with it; runs RUNS_AHEAD before it were
+    reported as they completed), and every buffer of the stage is released, whichever run
+    failed."""
     from loom import runtime
     prepared, _ = llama_model
     device = prepared.device
@@ -220,7 +261,7 @@ def test_a_run_that_fails_to_enqueue_ends_the_stage_once(llama_model):
             assert reported == [(0, 7), (1, 7), (2, 7)] and len(ended) == 1 and ended[0][1] is None
             assert ended[0][0]["ids"][0] == 7
             continue
-        assert reported == []
+        assert reported == [(run, 7) for run in range(fail_at - runtime.RUNS_AHEAD + 1)]
         assert len(ended) == 1 and ended[0][0] is None
         assert str(ended[0][1]) == f"run {fail_at} could not be enqueued"
         now = device.pool.usage()
