@@ -51,6 +51,15 @@
  *                        differ from the float path by the input rounding (<= s / 512
  *                        per value, s = max|x| / 127 of its block: ~2e-5 of the
  *                        output scale).
+ *   NORM_IN              (ROW_TILE, TOKENS_PER_ITEM 1, float inputs) each token's
+ *                        input row is RMS-normed inside the kernel, as rms_norm.cl
+ *                        with its weight would: x / sqrt(mean(x^2) + eps) * g, for
+ *                        g = norm_w[K] and eps, two more arguments after T. The
+ *                        tile sums g x and scales the 16 sums by 1 / rms once, so
+ *                        results differ from rms_norm then matmul by rounding
+ *                        (~1e-7 of the output scale). Each work-item norms the row
+ *                        itself (K floats it keeps private): decode's launch of
+ *                        rms_norm (one work-item a token, the other core idle) is gone.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
@@ -58,6 +67,12 @@
  *   quantized value is exact in float32, so these are the very values the
  *   quantized matmul multiplies), for a prefill chunk to run the float tile on.
  *   Same macros (K, N, WEIGHT_*); global = (ceil(K / 32), N), any local size.
+ *
+ * kernel matmul_glu(X, x_off, ldx, W0, W1, Y, y_off, ldy, T [, norm_w, eps])   (GLU)
+ *   Y[t, n] = silu(x . W0[n]) * (x . W1[n]), n < N: gate and up of a feed-forward
+ *   layer (W0, W1 [N, K] in tiles of 16 rows: ROW_TILE, TOKENS_PER_ITEM 1) as one
+ *   launch, a work-item taking the same tile of both; NORM_IN as above. silu is
+ *   elementwise.cl's (g / (1 + exp(-g))). Launch: matmul's with ROWS_PER_ITEM 16.
  *
  * kernel quantize_x(const __global float *X, int ldx, __global int *XQ, int T)
  *   (INT8_DOT programs) X [T, K] (row stride ldx) -> XQ [T, K / 32, 20 ints];
@@ -107,6 +122,16 @@
 #endif
 #if defined(INT8_DOT) && INT8_DOT && !defined(ROW_TILE)
 #error "matmul.cl: INT8_DOT needs ROW_TILE"
+#endif
+#if (defined(NORM_IN) || defined(GLU)) && (!defined(ROW_TILE) || TOKENS_PER_ITEM != 1 || (defined(INT8_DOT) && INT8_DOT))
+#error "matmul.cl: NORM_IN and GLU need ROW_TILE, TOKENS_PER_ITEM 1 and float inputs"
+#endif
+#ifdef NORM_IN
+#define NORM_PARAMS , const __global float *norm_w, float eps
+#define NORM_PASS , norm_w, eps
+#else
+#define NORM_PARAMS
+#define NORM_PASS
 #endif
 
 #define RPI ROWS_PER_ITEM
@@ -437,10 +462,70 @@ __attribute__((always_inline)) inline void rt_store(
     }
 }
 
+/* One token's 16 sums of the tile at p: per block, sum f x and apply the block's
+ * scale (and zero point or minimum) once (RT_BLOCK). xr: the token's K inputs, in
+ * global memory (rt_sum1) or, normed, in the work-group's local copy (rt_sum1_local). */
+#define RT_DEF_SUM1(NAME, AS)                                                      \
+__attribute__((always_inline)) inline float16 NAME(const AS float *xr, const __global uchar *p) \
+{                                                                                  \
+    float16 acc = (float16)(0.0f);                                                 \
+    for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {                       \
+        const float16 d = vload_half16(0, (const __global half *)p);              \
+        RT_MIN_DECL(p)                                                             \
+        RT_HIGH_DECL(p)                                                            \
+        const AS float *x = xr + kb;                                               \
+        const float16 xs = vload16(0, x) + vload16(1, x);                          \
+        float16 s[RT_ACCS];                                                        \
+        _Pragma("unroll")                                                          \
+        for (int a = 0; a < RT_ACCS; a++)                                          \
+            s[a] = (float16)(0.0f);                                                \
+        _Pragma("unroll 1")                       /* a word at a time (above) */   \
+        for (int j = 0; j < 4; j++) {                                              \
+            const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));       \
+            RT_WORD(w, j)                                                          \
+            _Pragma("unroll")                                                      \
+            for (int b = 0; b < 4; b++) {                                          \
+                const int c = 4 * j + b;                                           \
+                s[2 * c % RT_ACCS] = fma(RT_F(wl, b, 0), x[c], s[2 * c % RT_ACCS]); \
+                s[(2 * c + 1) % RT_ACCS] = fma(RT_F(wh, b, 1), x[c + 16], s[(2 * c + 1) % RT_ACCS]); \
+            }                                                                      \
+        }                                                                          \
+        acc = RT_BLOCK(acc, (s[0] + s[1]) + (s[2] + s[3]), loom_hsum16(xs));       \
+    }                                                                              \
+    return acc;                                                                    \
+}
+RT_DEF_SUM1(rt_sum1, __global)
+
+#ifdef NORM_IN
+RT_DEF_SUM1(rt_sum1_local, __local)
+/* One token's inputs normed by the work-group together (every work-item calls it):
+ * xl[0 .. K) = x g (rms_norm.cl's weight, element by element), and the returned
+ * 1 / rms(x) scales the tile's sums once. The group's partial sums of squares
+ * meet in xl[K ..] and are added in one order, so every work-item has the same
+ * scale. A group costs ~K/16 vector steps for all its tiles. */
+__attribute__((always_inline)) inline float rt_norm(const __global float *x, const __global float *g, float eps,
+                                                    __local float *xl)
+{
+    const int lid = get_local_id(0);
+    barrier(CLK_LOCAL_MEM_FENCE);                 /* the previous token's reads are done */
+    float16 ss = (float16)(0.0f);
+    for (int k = lid * 16; k < K; k += 16 * WG) {
+        const float16 v = vload16(0, x + k);
+        ss = fma(v, v, ss);
+        vstore16(v * vload16(0, g + k), 0, xl + k);
+    }
+    xl[K + lid] = loom_hsum16(ss);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float total = 0.0f;
+    for (int i = 0; i < WG; i++)
+        total += xl[K + i];
+    return rsqrt(total / (float)K + eps);
+}
+#endif
+
 /* Rows n0 .. n0 + 15 (one tile; rows >= nr are padding: computed, not stored) x nt
- * tokens from t0. One token sums f x per block and applies the block's scale
- * (and zero point or minimum) once (RT_BLOCK); wider tiles take RT_W(f) once
- * for their nt tokens (Q4_1 adds m sum(x) per token and block). */
+ * tokens from t0. One token: rt_sum1; wider tiles take RT_W(f) once for their nt
+ * tokens (Q4_1 adds m sum(x) per token and block). */
 __attribute__((always_inline)) inline void mm_tile(
     const __global float *X, int ldx, const __global WTYPE *W,
     const __global float *bias, __global float *Y, int ldy,
@@ -454,30 +539,13 @@ __attribute__((always_inline)) inline void mm_tile(
         xrow[j] = X + (size_t)(t0 + (j < nt ? j : nt - 1)) * ldx;
         acc[j] = (float16)(0.0f);
     }
-    for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {
-        const float16 d = vload_half16(0, (const __global half *)p);
-        RT_MIN_DECL(p)
-        RT_HIGH_DECL(p)
-        if (nt == 1) {
-            const __global float *x = xrow[0] + kb;
-            const float16 xs = vload16(0, x) + vload16(1, x);
-            float16 s[RT_ACCS];
-            #pragma unroll
-            for (int a = 0; a < RT_ACCS; a++)
-                s[a] = (float16)(0.0f);
-            #pragma unroll 1                      /* a word at a time (above) */
-            for (int j = 0; j < 4; j++) {
-                const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
-                RT_WORD(w, j)
-                #pragma unroll
-                for (int b = 0; b < 4; b++) {
-                    const int c = 4 * j + b;
-                    s[2 * c % RT_ACCS] = fma(RT_F(wl, b, 0), x[c], s[2 * c % RT_ACCS]);
-                    s[(2 * c + 1) % RT_ACCS] = fma(RT_F(wh, b, 1), x[c + 16], s[(2 * c + 1) % RT_ACCS]);
-                }
-            }
-            acc[0] = RT_BLOCK(acc[0], (s[0] + s[1]) + (s[2] + s[3]), loom_hsum16(xs));
-        } else {
+    if (nt == 1) {
+        acc[0] = rt_sum1(xrow[0], p);
+    } else {
+        for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {
+            const float16 d = vload_half16(0, (const __global half *)p);
+            RT_MIN_DECL(p)
+            RT_HIGH_DECL(p)
             float16 s[TPI];
             #pragma unroll
             for (int j = 0; j < TPI; j++)
@@ -509,6 +577,18 @@ __attribute__((always_inline)) inline void mm_tile(
     }
     rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
 }
+
+#ifdef NORM_IN
+/* The tile at n0 for one token whose normed inputs the group holds in xl. */
+__attribute__((always_inline)) inline void mm_tile_normed(
+    const __local float *xl, float inv, const __global WTYPE *W, const __global float *bias,
+    __global float *Y, int ldy, int n0, const int nr, int t0)
+{
+    float16 acc[1];
+    acc[0] = inv * rt_sum1_local(xl, W + (size_t)(n0 / 16) * (K / LOOM_QK) * RT_BYTES);
+    rt_store(acc, bias, Y, ldy, n0, nr, t0, 1);
+}
+#endif
 
 #if defined(INT8_DOT) && INT8_DOT
 /* ---- Tiles by int8 dot products (INT8_DOT: X is quantize_x's output) ----
@@ -941,9 +1021,12 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
  * nr - 1 again and store nothing), for every token tile of this work-item. */
 __attribute__((always_inline)) inline void mm_rows(
     const __global float *X, int ldx, const __global WTYPE *W, const __global float *bias,
-    __global float *Y, int ldy, int n0, const int nr, int T
+    __global float *Y, int ldy, int n0, const int nr, int T NORM_PARAMS
 #ifdef ACT_Q8
     , __local char *lq, __local float *ld, __local int *ls
+#endif
+#ifdef NORM_IN
+    , __local float *xl
 #endif
     )
 {
@@ -969,6 +1052,10 @@ __attribute__((always_inline)) inline void mm_rows(
             MM_TAIL_Q(8) MM_TAIL_Q(9) MM_TAIL_Q(10) MM_TAIL_Q(11) MM_TAIL_Q(12) MM_TAIL_Q(13) MM_TAIL_Q(14) MM_TAIL_Q(15)
             }
         }
+#elif defined(NORM_IN)
+        const float inv = rt_norm(X + (size_t)t0 * ldx, norm_w, eps, xl);
+        if (n0 < nr)                                  /* (items past the rows only help norm) */
+            mm_tile_normed(xl, inv, W, bias, Y, ldy, n0, nr, t0);
 #elif defined(RT_DOT)
         const __global int *xq = (const __global int *)X;   /* quantize_x's output */
         if (t0 + TPI <= T) {
@@ -999,6 +1086,11 @@ __attribute__((always_inline)) inline void mm_rows(
     __local int ls[TPI * NB];
 #define MM_LOCAL_ARGS , lq, ld, ls
 #define MM_EXIT_PAST_N
+#elif defined(NORM_IN)
+/* every work-item norms its share of the token (items past N store nothing) */
+#define MM_LOCALS __local float xl[K + WG] __attribute__((aligned(64)));
+#define MM_LOCAL_ARGS , xl
+#define MM_EXIT_PAST_N
 #else
 #define MM_LOCALS
 #define MM_LOCAL_ARGS
@@ -1011,12 +1103,12 @@ void matmul(const __global float *X, int x_off, int ldx,
             const __global WTYPE *W,
             const __global float *bias,
             __global float *Y, int y_off, int ldy,
-            int T)
+            int T NORM_PARAMS)
 {
     const int n0 = get_global_id(0) * RPI;
     MM_LOCALS
     MM_EXIT_PAST_N
-    mm_rows(X + x_off, ldx, W, bias, Y + y_off, ldy, n0, N, T MM_LOCAL_ARGS);
+    mm_rows(X + x_off, ldx, W, bias, Y + y_off, ldy, n0, N, T NORM_PASS MM_LOCAL_ARGS);
 }
 #else
 /* matmul_cat: W is [W0; W1; W2] (N0, N1 and N - N0 - N1 rows), each read where
@@ -1034,7 +1126,7 @@ void matmul_cat(const __global float *X, int x_off, int ldx,
                 const __global WTYPE *W0, const __global WTYPE *W1, const __global WTYPE *W2,
                 const __global float *bias0, const __global float *bias1, const __global float *bias2,
                 __global float *Y, int y_off, int ldy,
-                int T)
+                int T NORM_PARAMS)
 {
     int n0 = get_global_id(0) * RPI;
     MM_LOCALS
@@ -1047,6 +1139,34 @@ void matmul_cat(const __global float *X, int x_off, int ldx,
     } else if (n0 >= N0) {
         W = W1; bias = bias1; first = N0; nr = N1;
     }
-    mm_rows(X + x_off, ldx, W, bias, Y + y_off + first, ldy, n0 - first, nr, T MM_LOCAL_ARGS);
+    mm_rows(X + x_off, ldx, W, bias, Y + y_off + first, ldy, n0 - first, nr, T NORM_PASS MM_LOCAL_ARGS);
+}
+#endif
+
+#ifdef GLU
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void matmul_glu(const __global float *X, int x_off, int ldx,
+                const __global WTYPE *W0, const __global WTYPE *W1,
+                __global float *Y, int y_off, int ldy,
+                int T NORM_PARAMS)
+{
+    const int n0 = get_global_id(0) * 16;
+    const size_t at = (size_t)(n0 / 16) * (K / LOOM_QK) * RT_BYTES;
+    MM_LOCALS
+    MM_EXIT_PAST_N
+    for (int t = get_global_id(1); t < T; t += get_global_size(1)) {
+        const __global float *x = X + x_off + (size_t)t * ldx;
+#ifdef NORM_IN
+        const float inv = rt_norm(x, norm_w, eps, xl);
+        if (n0 >= N)
+            continue;
+        const float16 a = inv * rt_sum1_local(xl, W0 + at), b = inv * rt_sum1_local(xl, W1 + at);
+#else
+        const float16 a = rt_sum1(x, W0 + at), b = rt_sum1(x, W1 + at);
+#endif
+        float16 v[1];
+        v[0] = a / (1.0f + (float16)(loom_exp8(-a.lo), loom_exp8(-a.hi))) * b;
+        rt_store(v, 0, Y + y_off, ldy, n0, N, t, 1);
+    }
 }
 #endif

@@ -680,6 +680,103 @@ def test_matmul_cat_row_tiles_give_each_matrix_its_own_bits(env, kind):
             col += n
 
 
+def rms_normed(x, g, eps):
+    """rms_norm.cl's output in float64: x / sqrt(mean(x^2) + eps) * g per row."""
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * g
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("n, k", [(37, 896), (16, 96)])
+def test_matmul_norm_in_tiles_meet_rms_norm_then_numpy(env, kind, n, k):
+    """NORM_IN (decode's q|k|v and the head): each token's input row RMS-normed inside the
+    tile, as rms_norm.cl then matmul would (numpy in float64), with bias and residual,
+    tokens one at a time, padding rows never stored, the other columns of Y untouched; and
+    matmul_cat passes the norm to every matrix (each column the bits of its matrix alone)."""
+    raw, ref = make_weights(kind, random_weights(80, n, k))
+    r = rng(81)
+    x = (r.standard_normal((3, k)) * 3 + 0.5).astype(np.float32)
+    g = r.uniform(0.5, 1.5, k).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((3, n)).astype(np.float32)
+    eps = 1e-6
+    want = rms_normed(x, g, eps) @ ref.T
+    ldy = n + 5
+    for t in (1, 3):
+        for b, y in ((None, None), (bias, y0[:t])):
+            wide = rng(7).standard_normal((t, ldy)).astype(np.float32)
+            if y is not None:
+                wide[:, 3:3 + n] = y
+            prg = env.build("matmul", K=k, N=n, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=8, NORM_IN=True,
+                            HAS_BIAS=b is not None, ACCUMULATE=y is not None, **{"WEIGHT_" + kind: True})
+            yb = env.buf(wide)
+            env.run(prg.matmul, (-(-n // 128) * 8, 1), (8, 1), env.buf(x[:t]), i32(0), i32(k),
+                    env.buf(tile_blocks(raw, n, kind, 16)), env.buf(b) if b is not None else None,
+                    yb, i32(3), i32(ldy), i32(t), env.buf(g), f32(eps))
+            got = env.read(yb, wide.shape)
+            assert np.array_equal(got[:, :3], wide[:, :3]) and np.array_equal(got[:, 3 + n:], wide[:, 3 + n:])
+            extra = (0 if b is None else b) + (0 if y is None else y)
+            assert_close(got[:, 3:3 + n], want[:t] + extra, REL[kind])
+    # as the unfused path computes it: rms_norm.cl, then the tile on its output
+    normed = rms_normed(x, g, eps).astype(np.float32)
+    assert_close(got[:, 3:3 + n], run_row_tiles(env, kind, n, k, normed, raw, 1) + bias + y0, 1e-5)
+    rows = (32, 16, 16)
+    mats = [make_weights(kind, random_weights(82 + i, m, k)) for i, m in enumerate(rows)]
+    prg = env.build("matmul", K=k, N=sum(rows), N0=rows[0], N1=rows[1], ROW_TILE=16, TOKENS_PER_ITEM=1,
+                    WG=8, NORM_IN=True, **{"WEIGHT_" + kind: True})
+    yb = env.buf(np.full((3, sum(rows)), np.nan, np.float32))
+    env.run(prg.matmul_cat, (8, 1), (8, 1), env.buf(x), i32(0), i32(k),
+            *[env.buf(tile_blocks(m_raw, m, kind, 16)) for (m_raw, _), m in zip(mats, rows)],
+            None, None, None, yb, i32(0), i32(sum(rows)), i32(3), env.buf(g), f32(eps))
+    got = env.read(yb, (3, sum(rows)))
+    col = 0
+    alone_prg = {}
+    for (m_raw, m_ref), m in zip(mats, rows):
+        alone_prg = env.build("matmul", K=k, N=m, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=8, NORM_IN=True,
+                              **{"WEIGHT_" + kind: True})
+        ab = env.buf(np.zeros((3, m), np.float32))
+        env.run(alone_prg.matmul, (8, 1), (8, 1), env.buf(x), i32(0), i32(k), env.buf(tile_blocks(m_raw, m, kind, 16)),
+                None, ab, i32(0), i32(m), i32(3), env.buf(g), f32(eps))
+        assert np.array_equal(got[:, col:col + m].view(np.uint32), env.read(ab, (3, m)).view(np.uint32))
+        assert_close(got[:, col:col + m], rms_normed(x, g, eps) @ m_ref.T, REL[kind])
+        col += m
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+def test_matmul_glu_is_silu_gate_times_up(env, kind):
+    """matmul_glu (decode's feed-forward): silu(x W0^T) * (x W1^T) from tiles of both
+    matrices in one launch, with and without NORM_IN, against numpy; padding rows and
+    the columns past N never written."""
+    n, k = 37, 896
+    (raw0, ref0), (raw1, ref1) = (make_weights(kind, random_weights(90 + i, n, k)) for i in range(2))
+    r = rng(92)
+    x = (r.standard_normal((2, k)) * 2).astype(np.float32)
+    g = r.uniform(0.5, 1.5, k).astype(np.float32)
+    eps = 1e-5
+    for norm in (False, True):
+        inputs = rms_normed(x, g, eps) if norm else x.astype(np.float64)
+        gate, up = inputs @ ref0.T, inputs @ ref1.T
+        want = gate / (1 + np.exp(-gate)) * up
+        prg = env.build("matmul", K=k, N=n, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=8, GLU=True, NORM_IN=norm,
+                        **{"WEIGHT_" + kind: True})
+        for t in (1, 2):
+            yb = env.buf(np.full((t, n + 3), np.nan, np.float32))
+            env.run(prg.matmul_glu, (8, 1), (8, 1), env.buf(x[:t]), i32(0), i32(k),
+                    env.buf(tile_blocks(raw0, n, kind, 16)), env.buf(tile_blocks(raw1, n, kind, 16)),
+                    yb, i32(0), i32(n + 3), i32(t), *((env.buf(g), f32(eps)) if norm else ()))
+            got = env.read(yb, (t, n + 3))
+            assert np.isnan(got[:, n:]).all()
+            assert_close(got[:, :n], want[:t], 3 * REL[kind])
+
+
+@pytest.mark.parametrize("macros", [dict(NORM_IN=True, TOKENS_PER_ITEM=8), dict(GLU=True),
+                                    dict(NORM_IN=True, ROW_TILE=16, TOKENS_PER_ITEM=8)])
+def test_matmul_norm_in_and_glu_need_one_token_row_tiles(env, macros):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=64, N=16, WEIGHT_Q4_0=True, **macros)
+    assert "NORM_IN and GLU need ROW_TILE, TOKENS_PER_ITEM 1 and float inputs" in str(e.value)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
 def test_dequantize_row_tiles_is_exact(env, kind):
     """dequantize reads the tiled layout back to rows: exactly the reference values, the
