@@ -626,11 +626,10 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 #endif
 
-/* A block x[0 .. 31] as two int8 digits: q[0 .. 7] h (int i: elements 4i .. 4i + 3),
- * q[8 .. 15] l, q[16] the scale s (its bits), q[17] sum(h), q[18] sum(l). */
-__attribute__((always_inline)) inline void rt_quantize(const __global float *x, __global int *q)
+/* A block a | b (32 values) as two int8 digits: q[0 .. 7] h (int i: elements 4i ..
+ * 4i + 3), q[8 .. 15] l, q[16] the scale s (its bits), q[17] sum(h), q[18] sum(l). */
+__attribute__((always_inline)) inline void rt_quantize(const float16 a, const float16 b, __global int *q)
 {
-    const float16 a = vload16(0, x), b = vload16(1, x);
     const float16 m16 = fmax(fabs(a), fabs(b));
     const float8 m8 = fmax(m16.lo, m16.hi);
     const float4 m4 = fmax(m8.lo, m8.hi);
@@ -707,14 +706,47 @@ __attribute__((always_inline)) inline void mm_tile_dot(
 }
 
 /* X [T, ldx] -> XQ [T, K / 32 blocks of RT_XQ ints]: one work-item a block and
- * token, once per launch for every matmul that reads it. */
+ * token, once per launch for every matmul that reads it. The launch before it
+ * can fold in: QX_NORM, X's rows RMS-normed first (rms_norm.cl with its weight:
+ * (x / rms(x)) g; two more arguments, norm_w and eps; a work-group per token,
+ * local size (K / 32, 1), whose items add their blocks' squares in local memory
+ * in one order); QX_GLU, X is gate | up rows ([T, 2K], ldx = 2K) and the values
+ * are silu(gate) up (elementwise.cl's silu_mul). */
+#ifdef QX_NORM
+__kernel __attribute__((reqd_work_group_size(RT_NB, 1, 1)))
+void quantize_x(const __global float *X, int ldx, __global int *XQ, int T, const __global float *norm_w, float eps)
+{
+    __local float part[RT_NB];
+    const int b = get_global_id(0), t = get_global_id(1);
+    const __global float *x = X + (size_t)t * ldx + b * LOOM_QK;
+    float16 lo = vload16(0, x), hi = vload16(1, x);
+    part[b] = loom_hsum16(fma(hi, hi, lo * lo));
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float total = 0.0f;
+    for (int i = 0; i < RT_NB; i++)
+        total += part[i];
+    const float inv = rsqrt(total / (float)K + eps);
+    lo = lo * inv * vload16(0, norm_w + b * LOOM_QK);
+    hi = hi * inv * vload16(1, norm_w + b * LOOM_QK);
+    if (t < T)
+        rt_quantize(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
+}
+#else
 __kernel void quantize_x(const __global float *X, int ldx, __global int *XQ, int T)
 {
     const int b = get_global_id(0), t = get_global_id(1);
     if (b >= RT_NB || t >= T)
         return;
-    rt_quantize(X + (size_t)t * ldx + b * LOOM_QK, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
+    const __global float *x = X + (size_t)t * ldx + b * LOOM_QK;
+    float16 lo = vload16(0, x), hi = vload16(1, x);
+#ifdef QX_GLU
+    const float16 ulo = vload16(0, x + K), uhi = vload16(1, x + K);
+    lo = lo / (1.0f + (float16)(loom_exp8(-lo.lo), loom_exp8(-lo.hi))) * ulo;
+    hi = hi / (1.0f + (float16)(loom_exp8(-hi.lo), loom_exp8(-hi.hi))) * uhi;
+#endif
+    rt_quantize(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
 }
+#endif
 #endif /* INT8_DOT */
 
 #else

@@ -815,6 +815,39 @@ def needs_int8_dot(env):
         pytest.skip("int8 dot products need Intel's runtime on an AVX512-VNNI CPU (device.int8_dot)")
 
 
+def test_quantize_x_folds_in_the_norm_or_the_gate(env):
+    """QX_NORM: the rows RMS-normed first (rms_norm.cl's (x / rms) g, one work-group a token);
+    QX_GLU: gate | up rows in, silu(gate) up quantized (silu_mul's). Either way the digits
+    are the plain quantize_x's of those values computed apart (numpy, float32), but for a
+    value whose rounding lands the other side of a digit (one l step: s / 256), and the
+    digits' sums stand beside them."""
+    needs_int8_dot(env)
+    r = rng(95)
+    t, k = 5, 896
+    x = (r.standard_normal((t, k)) * 4 + 1).astype(np.float32)
+    g = r.uniform(0.5, 1.5, k).astype(np.float32)
+    eps = 1e-6
+    gu = (r.standard_normal((t, 2 * k)) * 3).astype(np.float32)
+    gate, up = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
+    common = dict(K=k, N=16, ROW_TILE=16, TOKENS_PER_ITEM=8, INT8_DOT=1, WEIGHT_Q4_0=True)
+    for macro, inputs, args, local, want in (
+            ("QX_NORM", x, (i32(k),), (k // 32, 1), rms_normed(x, g, eps)),
+            ("QX_GLU", gu, (i32(2 * k),), None, gate / (1 + np.exp(-gate)) * up)):
+        prg = env.build("matmul", **{macro: True}, **common)
+        qb = env.buf(np.full((t, k // 32, 20), -1, np.int32))
+        extra = (env.buf(g), f32(eps)) if macro == "QX_NORM" else ()
+        env.run(prg.quantize_x, (k // 32, t), local, env.buf(inputs), *args, qb, i32(t), *extra)
+        q = env.read(qb, (t, k // 32, 20), np.int32)
+        apart = quantize_rows(env, "Q4_0", want.astype(np.float32))
+        scale = apart[..., 16].copy().view(np.float32).astype(np.float64)[..., None]
+        assert np.allclose(q[..., 16].copy().view(np.float32), apart[..., 16].copy().view(np.float32), rtol=1e-5)
+        diff = np.abs(dequantized_inputs(q) - dequantized_inputs(apart)).reshape(t, k // 32, 32)
+        assert (diff <= scale / 256 * (1 + 1e-3)).all(), macro
+        digits = q[..., :16].copy().view(np.int8).astype(np.int64)
+        assert np.array_equal(q[..., 17], digits[..., :32].sum(axis=2))
+        assert np.array_equal(q[..., 18], digits[..., 32:].sum(axis=2))
+
+
 def test_quantize_x_holds_each_value_in_two_int8_digits(env):
     """Per block of 32: s = max|x| / 127, h = round(x / s), l = round((x - h s) 256 / s) in
     [-127, 127], so |x - s (h + l / 256)| <= s / 512; the digits' sums beside them; a zero
