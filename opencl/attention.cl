@@ -19,7 +19,11 @@
  *     float scale)                                   score scale, usually 1/sqrt(HEAD_DIM)
  *
  * Macros: N_HEADS, N_KV_HEADS, HEAD_DIM (multiple of 8), PAGE_SIZE, MAX_PAGES
- *   (required); KV_F16 (cache holds half); WINDOW (sliding window length).
+ *   (required); KV_F16 (cache holds half); WINDOW (sliding window length);
+ *   QUANT_OUT (HEAD_DIM a multiple of 32): O is an int buffer that takes each
+ *   token's output row as matmul.cl's quantize_x would write it ([T, N_HEADS *
+ *   HEAD_DIM / 32 blocks of 20 ints]; o_off and ldo unused): the output
+ *   projection's int8 inputs without a launch of their own.
  * Launch: global = (N_HEADS, T), local = (L, 1) with L dividing N_HEADS, e.g.
  *   N_HEADS / N_KV_HEADS so one work-group shares its kv head's pages in cache.
  *
@@ -60,6 +64,9 @@
 #define KV_ROW (N_KV_HEADS * HEAD_DIM)
 #define GROUP (N_HEADS / N_KV_HEADS)
 #define HD8 (HEAD_DIM / 8)
+#if defined(QUANT_OUT) && HEAD_DIM % 32 != 0
+#error "attention.cl: QUANT_OUT needs HEAD_DIM a multiple of 32"
+#endif
 
 __kernel void attention(const __global float *Q, int q_off, int ldq,
                         const __global KV_T *Kc, const __global KV_T *Vc, int layer_off,
@@ -107,8 +114,16 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
     }
 
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#ifdef QUANT_OUT
+    __global int *xq = (__global int *)O + ((size_t)t * N_HEADS * HEAD_DIM + h * HEAD_DIM) / 32 * 20;
+    #pragma unroll
+    for (int c = 0; c < HD8; c += 4)
+        loom_quantize32((float16)(av[c] * inv, av[c + 1] * inv), (float16)(av[c + 2] * inv, av[c + 3] * inv),
+                        xq + c / 4 * 20);
+#else
     __global float *o = O + o_off + (size_t)t * ldo + h * HEAD_DIM;
     #pragma unroll
     for (int c = 0; c < HD8; c++)
         loom_st_float8(av[c] * inv, o + 8 * c);
+#endif
 }

@@ -626,29 +626,7 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 #endif
 
-/* A block a | b (32 values) as two int8 digits: q[0 .. 7] h (int i: elements 4i ..
- * 4i + 3), q[8 .. 15] l, q[16] the scale s (its bits), q[17] sum(h), q[18] sum(l). */
-__attribute__((always_inline)) inline void rt_quantize(const float16 a, const float16 b, __global int *q)
-{
-    const float16 m16 = fmax(fabs(a), fabs(b));
-    const float8 m8 = fmax(m16.lo, m16.hi);
-    const float4 m4 = fmax(m8.lo, m8.hi);
-    const float amax = fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w));
-    const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-    const float16 ha = rint(a * id), hb = rint(b * id);
-    /* |x - h s| <= s / 2: l within [-128, 128], and 128 is clamped */
-    const float16 la = clamp(rint((a - ha * dx) * (256.0f * id)), -127.0f, 127.0f);
-    const float16 lb = clamp(rint((b - hb * dx) * (256.0f * id)), -127.0f, 127.0f);
-    __global char *c = (__global char *)q;
-    vstore16(convert_char16(convert_int16(ha)), 0, c);
-    vstore16(convert_char16(convert_int16(hb)), 1, c);
-    vstore16(convert_char16(convert_int16(la)), 2, c);
-    vstore16(convert_char16(convert_int16(lb)), 3, c);
-    q[16] = as_int(dx);
-    q[17] = (int)loom_hsum16(ha + hb);          /* |sum| <= 32 x 127: exact in float */
-    q[18] = (int)loom_hsum16(la + lb);
-    q[19] = 0;
-}
+#define rt_quantize loom_quantize32         /* common.cl: attention.cl writes the same blocks */
 
 /* The tile of mm_tile for nt tokens from t0, X as quantize_x wrote it. */
 __attribute__((always_inline)) inline void mm_tile_dot(

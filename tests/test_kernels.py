@@ -1241,6 +1241,21 @@ def test_kv_store_and_attention(env, case):
                         q_rows, q_pos, scale, heads // kvh, window)
     assert_close(got[:, 1:1 + heads * dh], ref.reshape(t, -1), 1e-5)
     assert np.isnan(got[:, 0]).all() and np.isnan(got[:, 1 + heads * dh:]).all()
+    if dh % 32:
+        return
+    # QUANT_OUT: the same outputs as the o projection's int8 inputs (quantize_x's blocks)
+    attn_q = env.build("attention", N_HEADS=heads, WINDOW=window, QUANT_OUT=True, **common).attention
+    qb = env.buf(np.full((t, heads * dh // 32, 20), -1, np.int32))
+    env.run(attn_q, (heads, t), (heads // kvh, 1), env.buf(q), i32(5), i32(width), kb, vb,
+            i32(layer_off), env.buf(q_pos), env.buf(q_rows), table_b, qb, i32(0), i32(0), i32(t), f32(scale))
+    blocks = env.read(qb, (t, heads * dh // 32, 20), np.int32)
+    floats = got[:, 1:1 + heads * dh].astype(np.float64).reshape(t, -1, 32)
+    assert np.allclose(blocks[..., 16].copy().view(np.float32), np.abs(floats).max(axis=2) / 127, rtol=1e-6)
+    scale_q = blocks[..., 16].copy().view(np.float32).astype(np.float64)[..., None]
+    err = np.abs(dequantized_inputs(blocks).reshape(t, -1, 32) - floats)
+    assert (err <= 3 * scale_q / 512).all()          # (l clamped at 127: up to s / 256 more)
+    digits = blocks[..., :16].copy().view(np.int8).astype(np.int64)
+    assert np.array_equal(blocks[..., 17], digits[..., :32].sum(axis=2)) and (blocks[..., 19] == 0).all()
 
 
 def test_attention_is_stable_for_large_scores(env):
