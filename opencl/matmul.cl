@@ -55,10 +55,10 @@
  *                        input row is RMS-normed inside the kernel, as rms_norm.cl
  *                        with its weight would: x / sqrt(mean(x^2) + eps) * g, for
  *                        g = norm_w[K] and eps, two more arguments after T. The
- *                        tile sums g x and scales the 16 sums by 1 / rms once, so
- *                        results differ from rms_norm then matmul by rounding
- *                        (~1e-7 of the output scale). Each work-item norms the row
- *                        itself (K floats it keeps private): decode's launch of
+ *                        work-group norms the row together into local memory (K +
+ *                        WG floats) and each tile scales its 16 sums by 1 / rms
+ *                        once, so results differ from rms_norm then matmul by
+ *                        rounding (~1e-6 of the output scale). Decode's launch of
  *                        rms_norm (one work-item a token, the other core idle) is gone.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
