@@ -462,6 +462,12 @@ __attribute__((always_inline)) inline void rt_store(
     }
 }
 
+/* silu(g) u, 16 lanes (elementwise.cl's silu_mul): matmul_glu's outputs, QX_GLU's inputs. */
+inline float16 rt_glu16(float16 g, float16 u)
+{
+    return g / (1.0f + (float16)(loom_exp8(-g.lo), loom_exp8(-g.hi))) * u;
+}
+
 /* One token's 16 sums of the tile at p: per block, sum f x and apply the block's
  * scale (and zero point or minimum) once (RT_BLOCK). xr: the token's K inputs, in
  * global memory (rt_sum1) or, normed, in the work-group's local copy (rt_sum1_local). */
@@ -626,8 +632,6 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 #endif
 
-#define rt_quantize loom_quantize32         /* common.cl: attention.cl writes the same blocks */
-
 /* The tile of mm_tile for nt tokens from t0, X as quantize_x wrote it. */
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
@@ -707,7 +711,7 @@ void quantize_x(const __global float *X, int ldx, __global int *XQ, int T, const
     lo = lo * inv * vload16(0, norm_w + b * LOOM_QK);
     hi = hi * inv * vload16(1, norm_w + b * LOOM_QK);
     if (t < T)
-        rt_quantize(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
+        loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
 }
 #else
 __kernel void quantize_x(const __global float *X, int ldx, __global int *XQ, int T)
@@ -718,11 +722,10 @@ __kernel void quantize_x(const __global float *X, int ldx, __global int *XQ, int
     const __global float *x = X + (size_t)t * ldx + b * LOOM_QK;
     float16 lo = vload16(0, x), hi = vload16(1, x);
 #ifdef QX_GLU
-    const float16 ulo = vload16(0, x + K), uhi = vload16(1, x + K);
-    lo = lo / (1.0f + (float16)(loom_exp8(-lo.lo), loom_exp8(-lo.hi))) * ulo;
-    hi = hi / (1.0f + (float16)(loom_exp8(-hi.lo), loom_exp8(-hi.hi))) * uhi;
+    lo = rt_glu16(lo, vload16(0, x + K));
+    hi = rt_glu16(hi, vload16(1, x + K));
 #endif
-    rt_quantize(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
+    loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
 }
 #endif
 #endif /* INT8_DOT */
@@ -1175,7 +1178,7 @@ void matmul_glu(const __global float *X, int x_off, int ldx,
         const float16 a = rt_sum1(x, W0 + at), b = rt_sum1(x, W1 + at);
 #endif
         float16 v[1];
-        v[0] = a / (1.0f + (float16)(loom_exp8(-a.lo), loom_exp8(-a.hi))) * b;
+        v[0] = rt_glu16(a, b);
         rt_store(v, 0, Y + y_off, ldy, n0, N, t, 1);
     }
 }
