@@ -58,14 +58,15 @@ def compiler_for(device):
     return Compiler(device, run_now, binaries=BinaryStore(KERNELS))
 
 
-def cpu_drivers():
-    """pytest params: one device selector (a flat index) per usable CPU driver
-    present, its best device, so numerics are checked on every driver installed."""
+def drivers():
+    """pytest params: one device selector (a flat index) per usable driver present (each CPU
+    driver's best device, every GPU), so numerics are checked on every driver installed."""
     best = {}
     for d in sorted(loom_device.list_devices(), key=loom_device._preference):
-        if d["type"] == "cpu" and d["usable"]:
-            best.setdefault((d["driver"], d["driver_version"]), d)
-    return [pytest.param(str(d["index"]), id=f'{d["driver"]}-{d["driver_version"].split()[0]}')
+        if d["usable"] and d["type"] in ("cpu", "gpu"):
+            key = (d["driver"], d["driver_version"]) if d["type"] == "cpu" else d["index"]
+            best.setdefault(key, d)
+    return [pytest.param(str(d["index"]), id=f'{d["driver"]}-{d["type"]}-{d["driver_version"].split()[0]}')
             for d in best.values()]
 
 

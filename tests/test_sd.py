@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers, compiler_for
+from conftest import ROOT, drivers, compiler_for
 from loom import runtime
 from loom.device import Device
 
@@ -33,7 +33,7 @@ def W(folder):
     return ref.load(folder)
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def prepared(request, folder):
     dev = Device(request.param)
     p = runtime.prepare("illustrator", [SOURCE], folder, {}, dev, compiler_for(dev))
@@ -218,7 +218,7 @@ SD15_TOPOLOGY = {"block_out_channels": [32, 32, 64, 64], "layers_per_block": 2, 
 def sd15(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sd15"))
     generate.generate(out, seed=5, unet=SD15_TOPOLOGY)
-    dev = Device(cpu_drivers()[0].values[0])
+    dev = Device(drivers()[0].values[0])
     p = runtime.prepare("sd15", [SOURCE], out, {}, dev, compiler_for(dev))
     yield p, ref.load(out)
     p.release()

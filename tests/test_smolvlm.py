@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers, compiler_for
+from conftest import ROOT, drivers, compiler_for
 from loom import runtime
 from loom.device import Device
 
@@ -30,7 +30,7 @@ def W(folder):
     return ref.load(folder)
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def prepared(request, folder):
     dev = Device(request.param)
     p = runtime.prepare("vision", [SOURCE], os.path.join(folder, "model.safetensors"), {}, dev,

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_drivers, compiler_for
+from conftest import ROOT, drivers, compiler_for
 from loom import phonemes, runtime
 from loom.device import Device
 
@@ -30,7 +30,7 @@ def W():
     return ref.load(VOICE)
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def prepared(request):
     dev = Device(request.param)
 

@@ -14,7 +14,7 @@ import pytest
 
 import speech
 import whisper_numpy as ref
-from conftest import ROOT, cpu_drivers, compiler_for
+from conftest import ROOT, drivers, compiler_for
 from loom import demo, runtime, transcription
 from loom.device import Device
 
@@ -29,7 +29,7 @@ def W():
     return ref.load(os.path.dirname(MODEL))
 
 
-@pytest.fixture(scope="module", params=cpu_drivers())
+@pytest.fixture(scope="module", params=drivers())
 def prepared(request):
     dev = Device(request.param)
 
