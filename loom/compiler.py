@@ -63,6 +63,7 @@ import pyopencl as cl
 from pyopencl._cl import _Program
 
 import loom
+from .device import kernel_defines
 
 __all__ = ["Compiler", "Executable", "BuildFailure", "BinaryStore", "LIBRARY", "LOG_CHARS", "run_now"]
 
@@ -288,7 +289,7 @@ class Compiler:
         """(cache key, build options) after validating defines and options."""
         if not isinstance(source, str):
             raise ValueError("source must be text")
-        defines = dict(defines or {})
+        defines = dict(defines or {}, **kernel_defines(getattr(self.device, "info", {})))
         if isinstance(options, str):
             raise ValueError("options must be a sequence of separate flags")
         options = tuple(options)

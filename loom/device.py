@@ -315,24 +315,38 @@ def _device_type(dev) -> str:
     return "other"
 
 
-def int8_dot(driver: str, driver_version: str, cpuinfo="/proc/cpuinfo") -> bool:
-    """Whether kernels may name AVX512-VNNI's vpdpbusd (matmul.cl's INT8_DOT): Intel's
-    CPU runtime compiles for the host's instruction set and passes LLVM's x86
-    intrinsics through, on a CPU whose flags list avx512_vnni and avx512bw. Only
-    runtimes from 2026 on (the intrinsic's byte-vector operands of their LLVM; the
-    one make install pins is 2026.2), and not when CL_CONFIG_CPU_TARGET_ARCH picks
-    another target: an intrinsic the compiler cannot lower aborts it, and with it
-    the process."""
+def int8_isa(driver: str, driver_version: str, cpuinfo="/proc/cpuinfo") -> str:
+    """Which x86 int8 dot product kernels may name (matmul.cl's INT8_DOT), or "": "vnni"
+    (AVX512-VNNI's vpdpbusd, where the flags list avx512_vnni and avx512bw) or "avx2"
+    (vpmaddubsw then vpmaddwd: two instructions where VNNI has one, on any AVX2 CPU).
+    Intel's CPU runtime compiles for the host's instruction set and passes LLVM's x86
+    intrinsics through; only runtimes from 2026 on (the intrinsics' byte-vector operands
+    of their LLVM; the one make install pins is 2026.2), and not when
+    CL_CONFIG_CPU_TARGET_ARCH picks another target: an intrinsic the compiler cannot lower
+    aborts it, and with it the process."""
     if driver != "intel" or os.environ.get("CL_CONFIG_CPU_TARGET_ARCH"):
-        return False
+        return ""
     if (_version(driver_version) or (0,))[0] < 2026:
-        return False
+        return ""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
-    return "avx512_vnni" in flags and "avx512bw" in flags
+        return ""
+    if "avx512_vnni" in flags and "avx512bw" in flags:
+        return "vnni"
+    return "avx2" if "avx2" in flags else ""
+
+
+def int8_dot(driver: str, driver_version: str, cpuinfo="/proc/cpuinfo") -> bool:
+    """Whether kernels may take int8 dot products here (int8_isa names which)."""
+    return bool(int8_isa(driver, driver_version, cpuinfo))
+
+
+def kernel_defines(info: dict) -> dict:
+    """Macros every program built for this device gets: which instructions INT8_DOT
+    tiles name (the kernel's front end cannot tell; SPIR targets no CPU)."""
+    return {"LOOM_DOT8_AVX2": 1} if info.get("int8_isa") == "avx2" else {}
 
 
 def driver_family(platform_name: str) -> str:
@@ -392,12 +406,13 @@ def _discover(probe=True) -> list:
                 "max_allocation_bytes": int(dev.max_mem_alloc_size),
                 "compute_units": int(dev.max_compute_units),
                 "vector_width": int(dev.native_vector_width_float),
-                "int8_dot": _device_type(dev) == "cpu" and int8_dot(driver_family(platform_name),
-                                                                   dev.driver_version.strip()),
+                "int8_isa": int8_isa(driver_family(platform_name), dev.driver_version.strip())
+                            if _device_type(dev) == "cpu" else "",
                 "fp16": "cl_khr_fp16" in extensions,
                 "fp64": "cl_khr_fp64" in extensions,
                 "extensions": extensions,
             }
+            info["int8_dot"] = bool(info["int8_isa"])
             reason = reasons.get((p, d), reasons.get(None, "the probe process did not report this device"))
             info["usable"], info["reason"] = reason is None, reason
             found.append((dev, info))

@@ -44,7 +44,7 @@
  *                        tiled(0, 16): runtime.tile_blocks); a work-item computes one
  *                        tile (ROWS_PER_ITEM, VW, ACCS and LUT are unused). 0: W is
  *                        row-major blocks.
- *   INT8_DOT       (0)   1 (with ROW_TILE; Intel's runtime on AVX512-VNNI CPUs only:
+ *   INT8_DOT       (0)   1 (with ROW_TILE; Intel's runtime on AVX512-VNNI or AVX2 CPUs only:
  *                        device.int8_dot): X is quantize_x's output (every value as
  *                        two int8 digits, per block of 32 a scale and the digits'
  *                        sums; ldx is unused) and the tiles take vpdpbusd. Results
@@ -614,10 +614,25 @@ __attribute__((always_inline)) inline void mm_tile_normed(
 #define RT_DOT 1
 #define RT_NB (K / LOOM_QK)
 #define RT_XQ 20                                   /* ints a block of quantize_x's output */
+#ifdef LOOM_DOT8_AVX2
+/* Without VNNI (the compiler defines LOOM_DOT8_AVX2 where device.int8_isa is "avx2"):
+ * vpmaddubsw adds byte products in pairs (at most 2 * 31 * 128 for 5-bit weights: no
+ * int16 saturation) and vpmaddwd by ones adds the pairs, per 32 bytes: the same sums. */
+typedef uchar rt_u8x32 __attribute__((ext_vector_type(32)));
+typedef char rt_i8x32 __attribute__((ext_vector_type(32)));
+short16 rt_maddubs(rt_u8x32 u, rt_i8x32 x) __asm__("llvm.x86.avx2.pmadd.ub.sw");
+int8 rt_maddwd(short16 a, short16 b) __asm__("llvm.x86.avx2.pmadd.wd");
+inline int8 rt_dp8(uint8 u, int x)
+{
+    return rt_maddwd(rt_maddubs(__builtin_astype(u, rt_u8x32), __builtin_astype((int8)(x), rt_i8x32)), (short16)(1));
+}
+#define RT_DP(acc, u, x) ((acc) + (int16)(rt_dp8((u).lo, (x)), rt_dp8((u).hi, (x))))
+#else
 typedef uchar rt_u8x64 __attribute__((ext_vector_type(64)));
 typedef char rt_i8x64 __attribute__((ext_vector_type(64)));
 int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdpbusd.512");
 #define RT_DP(acc, u, x) rt_dpbusd((acc), __builtin_astype((u), rt_u8x64), __builtin_astype((int16)(x), rt_i8x64))
+#endif
 #if defined(WEIGHT_Q5_0)
 #define RT_UL(wl) ((wl) & 0x1F1F1F1Fu)             /* element 4j + b's 5 bits in byte b */
 #define RT_UH(wh) ((wh) & 0x1F1F1F1Fu)

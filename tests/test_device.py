@@ -123,20 +123,28 @@ def probed(*rows):
             for i, (platform, version, kind, reason) in enumerate(rows)]
 
 
-def test_int8_dot_needs_intels_runtime_and_vnni_flags(tmp_path, monkeypatch):
-    """device.int8_dot: Intel's runtime from 2026 on a CPU listing avx512_vnni and avx512bw, and
-    no CL_CONFIG_CPU_TARGET_ARCH (another target without the instruction would abort the compiler)."""
+def test_int8_isa_needs_intels_runtime_and_avx2_or_vnni_flags(tmp_path, monkeypatch):
+    """device.int8_isa: on Intel's runtime from 2026, "vnni" where the CPU lists avx512_vnni and
+    avx512bw, else "avx2" where it lists avx2, else ""; "" with CL_CONFIG_CPU_TARGET_ARCH (another
+    target without the instruction would abort the compiler). int8_dot is whether it is set, and
+    only "avx2" adds a macro to every program (kernel_defines)."""
     monkeypatch.delenv("CL_CONFIG_CPU_TARGET_ARCH", raising=False)
-    vnni, plain = tmp_path / "vnni", tmp_path / "plain"
+    vnni, plain, old = tmp_path / "vnni", tmp_path / "plain", tmp_path / "old"
     vnni.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n\n")
     plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx_vnni\n\n")
-    assert loom_device.int8_dot("intel", "2026.22.10.0.01_160000", vnni)
-    assert not loom_device.int8_dot("intel", "2026.22.10.0.01_160000", plain)   # AVX-VNNI (256-bit) is not AVX512-VNNI
-    assert not loom_device.int8_dot("intel", "2025.20.6.0.04_224945", vnni)     # an older LLVM's intrinsic form
-    assert not loom_device.int8_dot("pocl", "3.1", vnni)
-    assert not loom_device.int8_dot("intel", "2026.22.10.0.01_160000", tmp_path / "missing")
+    old.write_text("processor\t: 0\nflags\t\t: fpu sse2 sse4_2 avx\n\n")
+    intel = "2026.22.10.0.01_160000"
+    assert loom_device.int8_isa("intel", intel, vnni) == "vnni"
+    assert loom_device.int8_isa("intel", intel, plain) == "avx2"    # AVX-VNNI (256-bit) is not AVX512-VNNI
+    assert loom_device.int8_isa("intel", intel, old) == ""
+    assert loom_device.int8_dot("intel", intel, plain) and not loom_device.int8_dot("intel", intel, old)
+    assert loom_device.int8_isa("intel", "2025.20.6.0.04_224945", vnni) == ""     # an older LLVM's intrinsic form
+    assert loom_device.int8_isa("pocl", "3.1", vnni) == ""
+    assert loom_device.int8_isa("intel", intel, tmp_path / "missing") == ""
+    assert loom_device.kernel_defines({"int8_isa": "avx2"}) == {"LOOM_DOT8_AVX2": 1}
+    assert loom_device.kernel_defines({"int8_isa": "vnni"}) == loom_device.kernel_defines({}) == {}
     monkeypatch.setenv("CL_CONFIG_CPU_TARGET_ARCH", "icelake-server")
-    assert not loom_device.int8_dot("intel", "2026.22.10.0.01_160000", vnni)
+    assert loom_device.int8_isa("intel", intel, vnni) == ""
 
 
 def test_driver_families():

@@ -53,6 +53,7 @@ class Env:
     def build(self, name, **macros):
         """opencl/common.cl + opencl/NAME.cl with -DKEY=VALUE (-DKEY for True)."""
         opts = []
+        macros = dict(macros, **loom_device.kernel_defines(self.info))   # as loom.compiler adds them
         for k, v in sorted(macros.items()):
             if v is True:
                 opts.append(f"-D{k}")
@@ -812,7 +813,7 @@ def dequantized_inputs(q):
 
 def needs_int8_dot(env):
     if not env.info.get("int8_dot"):
-        pytest.skip("int8 dot products need Intel's runtime on an AVX512-VNNI CPU (device.int8_dot)")
+        pytest.skip("int8 dot products need Intel's runtime on an AVX2 or AVX512-VNNI CPU (device.int8_dot)")
 
 
 def test_quantize_x_folds_in_the_norm_or_the_gate(env):
