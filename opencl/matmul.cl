@@ -616,17 +616,18 @@ __attribute__((always_inline)) inline void mm_tile_normed(
 #define RT_XQ 20                                   /* ints a block of quantize_x's output */
 #ifdef LOOM_DOT8_AVX2
 /* Without VNNI (the compiler defines LOOM_DOT8_AVX2 where device.int8_isa is "avx2"):
- * vpmaddubsw adds byte products in pairs (at most 2 * 31 * 128 for 5-bit weights: no
- * int16 saturation) and vpmaddwd by ones adds the pairs, per 32 bytes: the same sums. */
+ * vpmaddubsw multiplies 32 weight bytes by 32 input digits and adds them in pairs
+ * (int16 lanes, two a row), vpmaddwd adds the pairs. The pair sums of RT_SPAN words
+ * add up in int16 first (at most 8 * 2 * 15 * 127 = 30480; 5-bit weights 4 * 2 * 31
+ * * 127), then one vpmaddwd by 256 (h) and one by 1 (l) fold both digits into one
+ * integer, 256 ih + il: f = that / 256 is the VNNI path's ih + il / 256, the same
+ * float (a power of two scales the one rounding). */
 typedef uchar rt_u8x32 __attribute__((ext_vector_type(32)));
 typedef char rt_i8x32 __attribute__((ext_vector_type(32)));
 short16 rt_maddubs(rt_u8x32 u, rt_i8x32 x) __asm__("llvm.x86.avx2.pmadd.ub.sw");
 int8 rt_maddwd(short16 a, short16 b) __asm__("llvm.x86.avx2.pmadd.wd");
-inline int8 rt_dp8(uint8 u, int x)
-{
-    return rt_maddwd(rt_maddubs(__builtin_astype(u, rt_u8x32), __builtin_astype((int8)(x), rt_i8x32)), (short16)(1));
-}
-#define RT_DP(acc, u, x) ((acc) + (int16)(rt_dp8((u).lo, (x)), rt_dp8((u).hi, (x))))
+#define RT_MUB(u, x) rt_maddubs(__builtin_astype((u), rt_u8x32), __builtin_astype((int8)(x), rt_i8x32))
+#define RT_PAIRS(s, k) ((int16)(rt_maddwd((s)[0], (short16)(k)), rt_maddwd((s)[1], (short16)(k))))
 #else
 typedef uchar rt_u8x64 __attribute__((ext_vector_type(64)));
 typedef char rt_i8x64 __attribute__((ext_vector_type(64)));
@@ -637,7 +638,9 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #define RT_UL(wl) ((wl) & 0x1F1F1F1Fu)             /* element 4j + b's 5 bits in byte b */
 #define RT_UH(wh) ((wh) & 0x1F1F1F1Fu)
 #define RT_Z 16
+#define RT_SPAN 2
 #else
+#define RT_SPAN 4
 #define RT_UL(wl) ((wl) & 0x0F0F0F0Fu)
 #define RT_UH(wh) (((wh) >> 4) & 0x0F0F0F0Fu)
 #ifdef RT_MIN
@@ -664,6 +667,35 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         const float16 d = vload_half16(0, (const __global half *)p);
         RT_MIN_DECL(p)
         RT_HIGH_DECL(p)
+#ifdef LOOM_DOT8_AVX2
+        int16 hl[TPI];                             /* 256 ih + il */
+        short16 sh[TPI][2], sl[TPI][2];            /* pair sums of h and l, each row's 16 rows in two halves */
+        #pragma unroll
+        for (int t = 0; t < TPI; t++) {
+            hl[t] = (int16)(-RT_Z * (256 * xq[t][kb * RT_XQ + 17] + xq[t][kb * RT_XQ + 18]));
+            sh[t][0] = sh[t][1] = sl[t][0] = sl[t][1] = (short16)(0);
+        }
+        #pragma unroll 1
+        for (int j = 0; j < 4; j++) {
+            const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
+            RT_WORD(w, j)
+            const uint16 ul = RT_UL(wl), uh = RT_UH(wh);
+            #pragma unroll
+            for (int t = 0; t < TPI; t++) {
+                if (t < nt) {
+                    const __global int *x = xq[t] + kb * RT_XQ;
+                    sh[t][0] += RT_MUB(ul.lo, x[j]) + RT_MUB(uh.lo, x[4 + j]);
+                    sh[t][1] += RT_MUB(ul.hi, x[j]) + RT_MUB(uh.hi, x[4 + j]);
+                    sl[t][0] += RT_MUB(ul.lo, x[8 + j]) + RT_MUB(uh.lo, x[12 + j]);
+                    sl[t][1] += RT_MUB(ul.hi, x[8 + j]) + RT_MUB(uh.hi, x[12 + j]);
+                    if ((j + 1) % RT_SPAN == 0) {
+                        hl[t] += RT_PAIRS(sh[t], 256) + RT_PAIRS(sl[t], 1);
+                        sh[t][0] = sh[t][1] = sl[t][0] = sl[t][1] = (short16)(0);
+                    }
+                }
+            }
+        }
+#else
         int16 ih[TPI], il[TPI];
         #pragma unroll
         for (int t = 0; t < TPI; t++) {
@@ -684,12 +716,17 @@ __attribute__((always_inline)) inline void mm_tile_dot(
                 }
             }
         }
+#endif
         #pragma unroll
         for (int t = 0; t < TPI; t++) {
             if (t < nt) {
                 const __global int *x = xq[t] + kb * RT_XQ;
                 const float sx = as_float(x[16]);
+#ifdef LOOM_DOT8_AVX2
+                const float16 f = convert_float16(hl[t]) * (1.0f / 256.0f);
+#else
                 const float16 f = fma(convert_float16(il[t]), 1.0f / 256.0f, convert_float16(ih[t]));
+#endif
 #ifdef RT_MIN
                 const float xsum = sx * ((float)x[17] + (float)x[18] / 256.0f);
                 acc[t] = fma(d, f * sx, fma(m, xsum, acc[t]));

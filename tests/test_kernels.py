@@ -896,6 +896,27 @@ def test_matmul_int8_dot_tiles_meet_numpy(env, kind):
     del qb
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+def test_matmul_int8_dot_tiles_hold_the_largest_sums(env, kind):
+    """Weights at their largest digits (15, Q5_0 31) against inputs whose two int8 digits
+    are both near 127, of either sign: sums at the bounds the integer lanes hold (AVX2 adds
+    vpmaddubsw pairs in int16 first), still exactly the products of the digits."""
+    needs_int8_dot(env)
+    n, k = 16, 896
+    top = {"Q4_0": 7 / 8, "Q5_0": 15 / 16, "Q4_1": 1.0}[kind]
+    w = np.full((n, k), top, np.float32)
+    w[:, ::32] = -1.0 if kind != "Q4_1" else 0.0   # the block's signed max: the others at the top digit
+    raw, ref = make_weights(kind, w)
+    x = np.ones((4, k), np.float32)
+    x[:, 31::32] = 1.004                           # x / s = 126.49: h = 126, l = 126
+    x[1::2] *= -1
+    q = quantize_rows(env, kind, x)
+    digits = np.abs(q[..., :16].copy().view(np.int8).astype(np.int64))    # h then l; the block's max is 127, 0
+    assert (digits[..., :31] >= 125).all() and (digits[..., 32:63] >= 125).all()
+    got = run_row_tiles(env, kind, n, k, q, raw, 4, extra=dict(INT8_DOT=1))
+    assert_close(got, dequantized_inputs(q) @ ref.T, 2e-6)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
 def test_matmul_cat_int8_dot_tiles_give_each_matrix_its_own_bits(env, kind):
     needs_int8_dot(env)
