@@ -509,7 +509,7 @@ def bind(module, metadata, tensors, options=None, fmt=None, driver="", vector_wi
     the device's driver family ("pocl", "intel", ...) and vector_width its
     native float vector width (8 on AVX2 CPUs, 16 with AVX-512; 0 unknown), so
     a package can choose the kernel geometry that is fastest on it; int8_dot
-    whether its kernels may use AVX512-VNNI dot products (device.int8_dot).
+    whether its kernels may take x86 int8 dot products (device.int8_dot: AVX512-VNNI or AVX2).
     """
     options = dict(options or {})
     specs = {}
