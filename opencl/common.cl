@@ -561,7 +561,9 @@ inline float loom_q4_0_at(const __global uchar *row, int i)
 
 /* ---- int8 inputs (matmul.cl INT8_DOT, quantize_x; attention.cl QUANT_OUT) ----
  * A block a | b (32 values) as two int8 digits: q[0 .. 7] h (int i: elements 4i ..
- * 4i + 3), q[8 .. 15] l, q[16] the scale s (its bits), q[17] sum(h), q[18] sum(l). */
+ * 4i + 3), q[8 .. 15] l, q[16] the scale s (its bits), q[17] sum(h), q[18] sum(l),
+ * q[19] the sums over a (Q6_K's 16-value scales): sum(h) in its low 16 bits (two's
+ * complement), sum(l) in its high ones. */
 __attribute__((always_inline)) inline void loom_quantize32(const float16 a, const float16 b, __global int *q)
 {
     const float16 m16 = fmax(fabs(a), fabs(b));
@@ -581,5 +583,5 @@ __attribute__((always_inline)) inline void loom_quantize32(const float16 a, cons
     q[16] = as_int(dx);
     q[17] = (int)loom_hsum16(ha + hb);          /* |sum| <= 32 x 127: exact in float */
     q[18] = (int)loom_hsum16(la + lb);
-    q[19] = 0;
+    q[19] = as_int(((uint)(int)loom_hsum16(ha) & 0xFFFFu) | ((uint)(int)loom_hsum16(la) << 16));
 }

@@ -40,9 +40,10 @@
  *                        tokens' rows of X: more rows per group amortize that).
  *                        x86 with AVX2 uses pmaddubsw/pmaddwd, other targets (and
  *                        MM_PORTABLE) a widening int multiply.
- *   ROW_TILE       (0)   16: W is Q4_0, Q5_0 or Q4_1 in tiles of 16 rows (a param declared
- *                        tiled(0, 16): runtime.tile_blocks); a work-item computes one
- *                        tile (ROWS_PER_ITEM, VW, ACCS and LUT are unused). 0: W is
+ *   ROW_TILE       (0)   16: W is Q4_0, Q5_0 or Q4_1 (with INT8_DOT also Q4_K or Q6_K) in
+ *                        tiles of 16 rows (a param declared tiled(0, 16):
+ *                        runtime.tile_blocks); a work-item computes one tile
+ *                        (ROWS_PER_ITEM, VW, ACCS and LUT are unused). 0: W is
  *                        row-major blocks.
  *   INT8_DOT       (0)   1 (with ROW_TILE; Intel's runtime on AVX512-VNNI or AVX2 CPUs only:
  *                        device.int8_dot): X is quantize_x's output (every value as
@@ -375,11 +376,23 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
  * 326 -> 402 / 298, T = 64 2661 / 2645 -> 2469 / 2376; Q5_0 T = 1 148 / 114 ->
  * 140 / 92 (opencl/README.md). The values are those of dequantize; the sums
  * run in another order. */
-#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q4_1)) || defined(ACT_Q8)
-#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1, and float activations"
+#if (defined(WEIGHT_Q4_K) || defined(WEIGHT_Q6_K)) && defined(INT8_DOT) && INT8_DOT
+#define RT_KQ 1                                   /* K-quant tiles: int8 dot products only (below) */
+#endif
+#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q4_1) || defined(RT_KQ)) \
+    || defined(ACT_Q8)
+#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K with INT8_DOT), and float activations"
 #endif
 #undef RPI
 #define RPI ROW_TILE                              /* a work-item's rows: one tile */
+#ifdef RT_KQ
+#define RT_BYTES (16 * KQ_BYTES)                  /* a tile's superblock: 16 scales d (Q4_K: 16 dmin), then words */
+#ifdef WEIGHT_Q4_K
+#define RT_QS 64
+#else
+#define RT_QS 32
+#endif
+#else
 #define RT_ACCS 4                                 /* T = 1: independent FMA chains per block */
 #define RT_SHIFT(v, s) ((s) >= 0 ? (v) << (s) : (v) >> -(s))
 #ifdef WEIGHT_Q4_0
@@ -433,6 +446,7 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #define RT_BLOCK(acc, s, sx) fma(RT_SCALE * d, (s) - RT_BIAS * (sx), (acc))
 #define RT_W(f) ((f) - RT_BIAS)
 #endif
+#endif /* RT_KQ */
 
 /* Token j's 16 sums of a tile to Y (rows >= nr are padding, not stored). */
 __attribute__((always_inline)) inline void rt_store(
@@ -468,6 +482,7 @@ inline float16 rt_glu16(float16 g, float16 u)
     return g / (1.0f + (float16)(loom_exp8(-g.lo), loom_exp8(-g.hi))) * u;
 }
 
+#ifndef RT_KQ
 /* One token's 16 sums of the tile at p: per block, sum f x and apply the block's
  * scale (and zero point or minimum) once (RT_BLOCK). xr: the token's K inputs, in
  * global memory (rt_sum1) or, normed, in the work-group's local copy (rt_sum1_local). */
@@ -595,6 +610,7 @@ __attribute__((always_inline)) inline void mm_tile_normed(
     rt_store(acc, bias, Y, ldy, n0, nr, t0, 1);
 }
 #endif
+#endif /* !RT_KQ */
 
 #if defined(INT8_DOT) && INT8_DOT
 /* ---- Tiles by int8 dot products (INT8_DOT: X is quantize_x's output) ----
@@ -650,6 +666,129 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 #endif
 
+#ifdef RT_KQ
+/* ---- Q4_K and Q6_K tiles (int8 dot products only) ----
+ * tile_blocks lays a superblock of 16 rows out as for the 32-value blocks: the
+ * rows' d (Q4_K: then dmin) as halves, then word w (bytes 4w .. 4w + 3 of the
+ * rest) of the 16 rows side by side. Q4_K: words 0-2 the packed 6-bit scales
+ * and minimums, 3-34 the nibbles (32-value sub-block 2c in the low nibbles of
+ * words 3 + 8c .. 10 + 8c, 2c + 1 in their high ones). Q6_K: words 0-31 the low
+ * nibbles, 32-47 the high bit pairs, 48-51 the sixteen int8 scales (one per 16
+ * values). Per sub-block the digits' products add up as integers (KQ_ADD, KQ_FOLD:
+ * 256 ih + il, as the tiles above), then the row's scale applies once:
+ * Q4_K d sc (that sum) - dmin m sum(x); Q6_K d sc (that sum - 32 sum(x)) per 16
+ * values, sum(x) of the first 16 from quantize_x's q[19]. Unsigned digits (Q6_K
+ * u = q + 32 < 64) keep vpmaddubsw's pairs in range: 2 * 63 * 127 < 32768. */
+#ifdef LOOM_DOT8_AVX2
+#define KQ_SUMS short16 sh[TPI][2], sl[TPI][2]
+#define KQ_ZERO(t) (sh[t][0] = sh[t][1] = sl[t][0] = sl[t][1] = (short16)(0))
+#define KQ_ADD(t, u, xh, xl) do { sh[t][0] += RT_MUB((u).lo, xh); sh[t][1] += RT_MUB((u).hi, xh); \
+    sl[t][0] += RT_MUB((u).lo, xl); sl[t][1] += RT_MUB((u).hi, xl); } while (0)
+#define KQ_FOLD(t) (RT_PAIRS(sh[t], 256) + RT_PAIRS(sl[t], 1))
+#else
+#define KQ_SUMS int16 ih[TPI], il[TPI]
+#define KQ_ZERO(t) (ih[t] = il[t] = (int16)(0))
+#define KQ_ADD(t, u, xh, xl) do { ih[t] = RT_DP(ih[t], u, xh); il[t] = RT_DP(il[t], u, xl); } while (0)
+#define KQ_FOLD(t) (256 * ih[t] + il[t])
+#endif
+#define KQ_BYTE(v, b) convert_float16(((v) >> (8 * (b))) & 0xFFu)
+
+__attribute__((always_inline)) inline void mm_tile_dot(
+    const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
+    int n0, const int nr, int t0, const int nt)
+{
+    const __global uchar *p = W + (size_t)(n0 / 16) * (K / LOOM_QK_K) * RT_BYTES;
+    const __global int *xq[TPI];
+    float16 acc[TPI];
+    #pragma unroll
+    for (int t = 0; t < TPI; t++) {
+        xq[t] = XQ + (size_t)(t0 + (t < nt ? t : nt - 1)) * RT_NB * RT_XQ;
+        acc[t] = (float16)(0.0f);
+    }
+    for (int kb = 0; kb < RT_NB; kb += 8, p += RT_BYTES) {
+        const float16 d = vload_half16(0, (const __global half *)p);
+        const __global uint *wp = (const __global uint *)(p + RT_QS);
+#ifdef WEIGHT_Q4_K
+        const float16 dmin = vload_half16(1, (const __global half *)p);
+        const uint16 s0 = vload16(0, wp), s1 = vload16(1, wp), s2 = vload16(2, wp);
+        const uint16 sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;      /* sub-blocks 0-3 */
+        const uint16 sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);   /* 4-7 */
+        const uint16 m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+        #pragma unroll 1
+        for (int i = 0; i < 8; i++) {
+            KQ_SUMS;
+            #pragma unroll
+            for (int t = 0; t < TPI; t++)
+                KQ_ZERO(t);
+            #pragma unroll 1
+            for (int j = 0; j < 8; j++) {            /* 8 * 2 * 15 * 127 < 32768 */
+                const uint16 u = (vload16(3 + 8 * (i / 2) + j, wp) >> (4 * (i % 2))) & 0x0F0F0F0Fu;
+                #pragma unroll
+                for (int t = 0; t < TPI; t++)
+                    if (t < nt)
+                        KQ_ADD(t, u, xq[t][(kb + i) * RT_XQ + j], xq[t][(kb + i) * RT_XQ + 8 + j]);
+            }
+            const float16 ds = d * KQ_BYTE(i < 4 ? sc_lo : sc_hi, i % 4);
+            const float16 dm = dmin * KQ_BYTE(i < 4 ? m_lo : m_hi, i % 4);
+            #pragma unroll
+            for (int t = 0; t < TPI; t++) {
+                if (t < nt) {
+                    const __global int *x = xq[t] + (kb + i) * RT_XQ;
+                    const float sx = as_float(x[16]);
+                    const float xsum = sx * ((float)x[17] + (float)x[18] / 256.0f);
+                    const float16 f = convert_float16(KQ_FOLD(t)) * (1.0f / 256.0f);
+                    acc[t] = fma(ds, f * sx, fma(-dm, xsum, acc[t]));
+                }
+            }
+        }
+#else   /* Q6_K */
+        #pragma unroll 1
+        for (int i = 0; i < 8; i++) {                /* sub-block i: hf n = i / 4, k = i % 4 of it */
+            const int n = i / 4, k = i % 4;
+            int16 hl[TPI][2];
+            #pragma unroll 1
+            for (int hf = 0; hf < 2; hf++) {
+                KQ_SUMS;
+                #pragma unroll
+                for (int t = 0; t < TPI; t++) {
+                    KQ_ZERO(t);
+                    hl[t][hf] = (int16)(0);
+                }
+                #pragma unroll
+                for (int j = 4 * hf; j < 4 * hf + 4; j++) {
+                    const uint16 ql = vload16(16 * n + 8 * (k % 2) + j, wp), qh = vload16(32 + 8 * n + j, wp);
+                    const uint16 u = ((ql >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((qh >> (2 * k)) << 4) & 0x30303030u);
+                    #pragma unroll
+                    for (int t = 0; t < TPI; t++) {
+                        if (t < nt) {
+                            KQ_ADD(t, u, xq[t][(kb + i) * RT_XQ + j], xq[t][(kb + i) * RT_XQ + 8 + j]);
+                            if (j % 2 == 1) {        /* 2 * 2 * 63 * 127 < 32768: fold every two words */
+                                hl[t][hf] += KQ_FOLD(t);
+                                KQ_ZERO(t);
+                            }
+                        }
+                    }
+                }
+            }
+            const uint16 sw = vload16(48 + i / 2, wp);   /* scales 2i, 2i + 1: bytes 2 (i % 2), + 1 */
+            const float16 sc0 = convert_float16(as_int16(sw << (24 - 16 * (i % 2))) >> 24);
+            const float16 sc1 = convert_float16(as_int16(sw << (16 - 16 * (i % 2))) >> 24);
+            #pragma unroll
+            for (int t = 0; t < TPI; t++) {
+                if (t < nt) {
+                    const __global int *x = xq[t] + (kb + i) * RT_XQ;
+                    const int h0 = (short)(x[19] & 0xFFFF), l0 = x[19] >> 16;   /* the first 16 values' digit sums */
+                    const int z0 = 32 * (256 * h0 + l0), z1 = 32 * (256 * (x[17] - h0) + x[18] - l0);
+                    const float16 g = fma(convert_float16(hl[t][0] - z0), sc0, convert_float16(hl[t][1] - z1) * sc1);
+                    acc[t] = fma(d, g * (as_float(x[16]) / 256.0f), acc[t]);
+                }
+            }
+        }
+#endif
+    }
+    rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
+}
+#else
 /* The tile of mm_tile for nt tokens from t0, X as quantize_x wrote it. */
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
@@ -738,6 +877,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
     }
     rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
 }
+#endif /* RT_KQ */
 
 /* X [T, ldx] -> XQ [T, K / 32 blocks of RT_XQ ints]: one work-item a block and
  * token, once per launch for every matmul that reads it. The launch before it
@@ -1022,6 +1162,7 @@ __attribute__((always_inline)) inline void mm_tile_q(
 #endif /* ACT_Q8 */
 
 /* One 32-element step of one row per work-item: W[n, kb .. kb + 32) -> Y. */
+#ifndef RT_KQ       /* (K-quant tiles are never widened: they exist where int8 dot products run) */
 __kernel void dequantize(const __global WTYPE *W, __global float *Y)
 {
     const int kb = get_global_id(0) * KSTEP, n = get_global_id(1);
@@ -1071,6 +1212,7 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
         LOOM_CAT(loom_st_float, VW)(WLOAD(0, kb, c), Y + kb + c);
 #endif
 }
+#endif
 
 #if TPI > 16
 #error "matmul.cl: TOKENS_PER_ITEM must be at most 16"

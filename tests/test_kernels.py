@@ -851,8 +851,8 @@ def test_quantize_x_folds_in_the_norm_or_the_gate(env):
 
 def test_quantize_x_holds_each_value_in_two_int8_digits(env):
     """Per block of 32: s = max|x| / 127, h = round(x / s), l = round((x - h s) 256 / s) in
-    [-127, 127], so |x - s (h + l / 256)| <= s / 512; the digits' sums beside them; a zero
-    block all zeros; 4 spare bytes zero."""
+    [-127, 127], so |x - s (h + l / 256)| <= s / 512; the digits' sums beside them, and the
+    first 16 values' sums as two int16 halves of q[19]; a zero block all zeros."""
     needs_int8_dot(env)
     r = rng(90)
     x = (r.standard_normal((3, 128)) * np.array([1.0, 1e-3, 50.0])[:, None]).astype(np.float32)
@@ -865,7 +865,10 @@ def test_quantize_x_holds_each_value_in_two_int8_digits(env):
     assert np.allclose(scale, np.abs(blocks).max(axis=2) / 127, rtol=1e-6, atol=0)
     assert np.abs(digits).max() <= 127
     assert np.array_equal(q[..., 17], digits[..., :32].sum(axis=2)) and np.array_equal(q[..., 18], digits[..., 32:].sum(axis=2))
-    assert (q[..., 19] == 0).all() and (q[1, 1] == 0).all()
+    first = q[..., 19].astype(np.int64)
+    assert np.array_equal((first & 0xFFFF) ^ 0x8000, digits[..., :16].sum(axis=2) + 0x8000)   # int16 low half
+    assert np.array_equal(first >> 16, digits[..., 32:48].sum(axis=2))
+    assert (q[1, 1] == 0).all()
     err = np.abs(dequantized_inputs(q).reshape(3, 4, 32) - blocks)
     assert (err <= scale[..., None] / 512 * (1 + 1e-5) + 1e-30).all()
 
@@ -937,6 +940,61 @@ def test_matmul_cat_int8_dot_tiles_give_each_matrix_its_own_bits(env, kind):
         col += n
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("isa", ["device", "avx2"])
+def test_matmul_int8_dot_kquant_tiles_meet_numpy(env, kind, isa):
+    """Q4_K and Q6_K superblocks in tiles of 16 rows (INT8_DOT only), random bytes so every
+    scale, minimum and quant pattern occurs, against gguf's dequantization times the same
+    input digits in float64, at tiles of 1, 2 and 8 tokens and every tail width, bias and
+    residual. Also the AVX2 instructions where the device takes VNNI's (an AVX-512 CPU runs
+    both; the two must agree to the bit)."""
+    needs_int8_dot(env)
+    if isa == "avx2" and env.info.get("int8_isa") == "avx2":
+        pytest.skip("the device's own instructions are AVX2's: the other case")
+    n, k = 37, 768
+    raw, ref = kquant_weights(kind, n, k, 96, magnitude=0.05)
+    r = rng(97)
+    x = (r.standard_normal((19, k)) * np.repeat(r.uniform(0.1, 3, k // 16), 16)).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((19, n)).astype(np.float32)
+    q = quantize_rows(env, "Q4_0", x)
+    exact = dequantized_inputs(q) @ ref.T
+    want = x.astype(np.float64) @ ref.T
+    extra = dict(INT8_DOT=1, LOOM_DOT8_AVX2=1 if isa == "avx2" else None)
+    for tpi, ts in ((1, (1, 3)), (2, (1, 2, 5)), (8, (1, 7, 8, 19))):
+        for t in ts:
+            got = run_row_tiles(env, kind, n, k, q[:t], raw, tpi, bias=bias, y0=y0[:t], extra=extra)
+            assert_close(got, exact[:t] + bias + y0[:t], 2e-6)
+            assert_close(got, want[:t] + bias + y0[:t], 1e-4)
+    if isa == "avx2":
+        native = run_row_tiles(env, kind, n, k, q, raw, 2, extra=dict(INT8_DOT=1))
+        assert np.array_equal(run_row_tiles(env, kind, n, k, q, raw, 2, extra=extra).view(np.uint32),
+                              native.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_matmul_int8_dot_kquant_tiles_hold_the_largest_sums(env, kind):
+    """Every quant at its largest (Q4_K 15, Q6_K 63) against inputs whose two digits are near
+    127, of either sign: AVX2's int16 pair sums at their bound, still exact."""
+    needs_int8_dot(env)
+    n, k = 16, 512
+    raw, _ = kquant_weights(kind, n, k, 98)
+    size, _ = KQ_BLOCKS[kind]
+    blocks = raw.reshape(-1, size)
+    if kind == "Q4_K":
+        blocks[:, 16:144] = 0xFF                     # every nibble 15
+    else:
+        blocks[:, 0:192] = 0xFF                      # every quant 63 (+31 after the zero point)
+    import gguf
+    ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).astype(np.float64).reshape(n, k)
+    x = np.ones((4, k), np.float32)
+    x[:, 31::32] = 1.004                           # x / s = 126.49: h = 126, l = 126
+    x[1::2] *= -1
+    q = quantize_rows(env, "Q4_0", x)
+    got = run_row_tiles(env, kind, n, k, q, raw, 2, extra=dict(INT8_DOT=1))
+    assert_close(got, dequantized_inputs(q) @ ref.T, 2e-6)
+
+
 def test_matmul_int8_dot_needs_row_tiles(env):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, N=16, WEIGHT_Q4_0=True, INT8_DOT=1)
@@ -944,11 +1002,12 @@ def test_matmul_int8_dot_needs_row_tiles(env):
 
 
 @pytest.mark.parametrize("macros", [dict(WEIGHT_Q8_0=True), dict(WEIGHT_Q4_0=True, ACT_Q8=True),
-                                    dict(WEIGHT_Q4_0=True, ROW_TILE=8)])
+                                    dict(WEIGHT_Q4_0=True, ROW_TILE=8), dict(WEIGHT_Q4_K=True)])
 def test_matmul_row_tiles_only_for_4_and_5_bit_blocks_by_16(env, macros):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, N=16, **dict(dict(ROW_TILE=16), **macros))
-    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1, and float activations" in str(e.value)
+    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K with INT8_DOT), and float activations" \
+        in str(e.value)
 
 
 def test_matmul_missing_macro_is_a_build_error(env):
