@@ -86,6 +86,8 @@ def stream(port, prompt, max_tokens, times=None):
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
         event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"the server's stream ended in an error: {event['error']}")
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
         elif event["choices"] and event["choices"][0]["delta"].get("content"):

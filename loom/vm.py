@@ -350,9 +350,10 @@ class Binding:
             elif op == "scratch":
                 dims = tuple(_dim(v, scope.where) for v in stack[len(stack) - ins[3]:])
                 del stack[len(stack) - ins[3]:]
-                key = ins[1]
-                if key in plan.scratch and plan.scratch[key] != (ins[2], dims):
-                    key = f"{ins[1]}#{len(plan.scratch)}"  # same name, new shape (e.g. in a nested call)
+                # One buffer per name and shape: a loop's iterations (a layer's widened
+                # matrices, one shape per matrix) take the same buffers again.
+                key = next((k for k, v in plan.scratch.items() if k.split("#")[0] == ins[1] and v == (ins[2], dims)),
+                           ins[1] if ins[1] not in plan.scratch else f"{ins[1]}#{len(plan.scratch)}")
                 plan.scratch[key] = (ins[2], dims)
                 names[ins[1]] = Ref("scratch", key)
             elif op == "for":
