@@ -811,6 +811,17 @@ def dequantized_inputs(q):
     return xhat.reshape(q.shape[0], -1)
 
 
+def assert_digit_sums(q):
+    """quantize_x's sums beside the digits: q[17] sum(h), q[18] sum(l) over the block, q[19]
+    those of its first 16 values as int16 halves (low: h)."""
+    digits = q[..., :16].copy().view(np.int8).astype(np.int64)       # h then l
+    assert np.array_equal(q[..., 17], digits[..., :32].sum(axis=-1))
+    assert np.array_equal(q[..., 18], digits[..., 32:].sum(axis=-1))
+    first = q[..., 19].astype(np.int64)
+    assert np.array_equal(((first & 0xFFFF) ^ 0x8000) - 0x8000, digits[..., :16].sum(axis=-1))
+    assert np.array_equal(first >> 16, digits[..., 32:48].sum(axis=-1))
+
+
 def needs_int8_dot(env):
     if not env.info.get("int8_dot"):
         pytest.skip("int8 dot products need Intel's runtime on an AVX2 or AVX512-VNNI CPU (device.int8_dot)")
@@ -844,9 +855,7 @@ def test_quantize_x_folds_in_the_norm_or_the_gate(env):
         assert np.allclose(q[..., 16].copy().view(np.float32), apart[..., 16].copy().view(np.float32), rtol=1e-5)
         diff = np.abs(dequantized_inputs(q) - dequantized_inputs(apart)).reshape(t, k // 32, 32)
         assert (diff <= scale / 256 * (1 + 1e-3)).all(), macro
-        digits = q[..., :16].copy().view(np.int8).astype(np.int64)
-        assert np.array_equal(q[..., 17], digits[..., :32].sum(axis=2))
-        assert np.array_equal(q[..., 18], digits[..., 32:].sum(axis=2))
+        assert_digit_sums(q)
 
 
 def test_quantize_x_holds_each_value_in_two_int8_digits(env):
@@ -864,10 +873,7 @@ def test_quantize_x_holds_each_value_in_two_int8_digits(env):
     blocks = x.reshape(3, 4, 32).astype(np.float64)
     assert np.allclose(scale, np.abs(blocks).max(axis=2) / 127, rtol=1e-6, atol=0)
     assert np.abs(digits).max() <= 127
-    assert np.array_equal(q[..., 17], digits[..., :32].sum(axis=2)) and np.array_equal(q[..., 18], digits[..., 32:].sum(axis=2))
-    first = q[..., 19].astype(np.int64)
-    assert np.array_equal((first & 0xFFFF) ^ 0x8000, digits[..., :16].sum(axis=2) + 0x8000)   # int16 low half
-    assert np.array_equal(first >> 16, digits[..., 32:48].sum(axis=2))
+    assert_digit_sums(q)
     assert (q[1, 1] == 0).all()
     err = np.abs(dequantized_inputs(q).reshape(3, 4, 32) - blocks)
     assert (err <= scale[..., None] / 512 * (1 + 1e-5) + 1e-30).all()
@@ -1335,8 +1341,7 @@ def test_kv_store_and_attention(env, case):
     scale_q = blocks[..., 16].copy().view(np.float32).astype(np.float64)[..., None]
     err = np.abs(dequantized_inputs(blocks).reshape(t, -1, 32) - floats)
     assert (err <= 3 * scale_q / 512).all()          # (l clamped at 127: up to s / 256 more)
-    digits = blocks[..., :16].copy().view(np.int8).astype(np.int64)
-    assert np.array_equal(blocks[..., 17], digits[..., :32].sum(axis=2)) and (blocks[..., 19] == 0).all()
+    assert_digit_sums(blocks)
 
 
 def test_attention_is_stable_for_large_scores(env):
