@@ -23,7 +23,8 @@
  *   QUANT_OUT (HEAD_DIM a multiple of 32): O is an int buffer that takes each
  *   token's output row as matmul.cl's quantize_x would write it ([T, N_HEADS *
  *   HEAD_DIM / 32 blocks of 20 ints]; o_off and ldo unused): the output
- *   projection's int8 inputs without a launch of their own.
+ *   projection's int8 inputs without a launch of their own; QUANT_X16 1 writes
+ *   them as Q8_0 tiles read them (common.cl loom_quantize32's x16).
  * Launch: global = (N_HEADS, T), local = (L, 1) with L dividing N_HEADS, e.g.
  *   N_HEADS / N_KV_HEADS so one work-group shares its kv head's pages in cache.
  *
@@ -66,6 +67,9 @@
 #define HD8 (HEAD_DIM / 8)
 #if defined(QUANT_OUT) && HEAD_DIM % 32 != 0
 #error "attention.cl: QUANT_OUT needs HEAD_DIM a multiple of 32"
+#endif
+#ifndef QUANT_X16
+#define QUANT_X16 0
 #endif
 
 __kernel void attention(const __global float *Q, int q_off, int ldq,
@@ -119,7 +123,7 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
     #pragma unroll
     for (int c = 0; c < HD8; c += 4)
         loom_quantize32((float16)(av[c] * inv, av[c + 1] * inv), (float16)(av[c + 2] * inv, av[c + 3] * inv),
-                        xq + c / 4 * 20);
+                        xq + c / 4 * 20, QUANT_X16);
 #else
     __global float *o = O + o_off + (size_t)t * ldo + h * HEAD_DIM;
     #pragma unroll

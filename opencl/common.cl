@@ -563,8 +563,12 @@ inline float loom_q4_0_at(const __global uchar *row, int i)
  * A block a | b (32 values) as two int8 digits: q[0 .. 7] h (int i: elements 4i ..
  * 4i + 3), q[8 .. 15] l, q[16] the scale s (its bits), q[17] sum(h), q[18] sum(l),
  * q[19] the sums over a (Q6_K's 16-value scales): sum(h) in its low 16 bits (two's
- * complement), sum(l) in its high ones. */
-__attribute__((always_inline)) inline void loom_quantize32(const float16 a, const float16 b, __global int *q)
+ * complement), sum(l) in its high ones. With x16 (Q8_0 tiles' inputs) q[0 .. 15]
+ * hold each value's two digits as one int16 256 h + l (|.| <= 32639) instead, in
+ * pairs a vpmaddwd takes whole: int 2i elements 4i and 4i + 2, int 2i + 1 elements
+ * 4i + 1 and 4i + 3 (low half first); the rest as above. */
+__attribute__((always_inline)) inline void loom_quantize32(const float16 a, const float16 b, __global int *q,
+                                                           const int x16)
 {
     const float16 m16 = fmax(fabs(a), fabs(b));
     const float8 m8 = fmax(m16.lo, m16.hi);
@@ -575,11 +579,18 @@ __attribute__((always_inline)) inline void loom_quantize32(const float16 a, cons
     /* |x - h s| <= s / 2: l within [-128, 128], and 128 is clamped */
     const float16 la = clamp(rint((a - ha * dx) * (256.0f * id)), -127.0f, 127.0f);
     const float16 lb = clamp(rint((b - hb * dx) * (256.0f * id)), -127.0f, 127.0f);
-    __global char *c = (__global char *)q;
-    vstore16(convert_char16(convert_int16(ha)), 0, c);
-    vstore16(convert_char16(convert_int16(hb)), 1, c);
-    vstore16(convert_char16(convert_int16(la)), 2, c);
-    vstore16(convert_char16(convert_int16(lb)), 3, c);
+    if (x16) {
+        const short16 va = convert_short16(convert_int16(ha) * 256 + convert_int16(la));
+        const short16 vb = convert_short16(convert_int16(hb) * 256 + convert_int16(lb));
+        vstore16(va.s021346578A9BCEDF, 0, (__global short *)q);
+        vstore16(vb.s021346578A9BCEDF, 1, (__global short *)q);
+    } else {
+        __global char *c = (__global char *)q;
+        vstore16(convert_char16(convert_int16(ha)), 0, c);
+        vstore16(convert_char16(convert_int16(hb)), 1, c);
+        vstore16(convert_char16(convert_int16(la)), 2, c);
+        vstore16(convert_char16(convert_int16(lb)), 3, c);
+    }
     q[16] = as_int(dx);
     q[17] = (int)loom_hsum16(ha + hb);          /* |sum| <= 32 x 127: exact in float */
     q[18] = (int)loom_hsum16(la + lb);

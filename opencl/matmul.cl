@@ -40,7 +40,7 @@
  *                        tokens' rows of X: more rows per group amortize that).
  *                        x86 with AVX2 uses pmaddubsw/pmaddwd, other targets (and
  *                        MM_PORTABLE) a widening int multiply.
- *   ROW_TILE       (0)   16: W is Q4_0, Q5_0 or Q4_1 (with INT8_DOT also Q4_K or Q6_K) in
+ *   ROW_TILE       (0)   16: W is Q4_0, Q5_0 or Q4_1 (with INT8_DOT also Q4_K, Q6_K or Q8_0) in
  *                        tiles of 16 rows (a param declared tiled(0, 16):
  *                        runtime.tile_blocks); a work-item computes one tile
  *                        (ROWS_PER_ITEM, VW, ACCS and LUT are unused). 0: W is
@@ -77,7 +77,8 @@
  *
  * kernel quantize_x(const __global float *X, int ldx, __global int *XQ, int T)
  *   (INT8_DOT programs) X [T, K] (row stride ldx) -> XQ [T, K / 32, 20 ints];
- *   global = (K / 32, T), any local size.
+ *   global = (K / 32, T), any local size. A Q8_0 program's digits are int16s
+ *   (common.cl loom_quantize32's x16): only Q8_0 tiles read them.
  *
  * Launch: global = (round_up(ceil(N / ROWS_PER_ITEM), WG), G1), local = (WG, 1).
  *   G1 >= 1 is free: work-item (i, g) handles token tiles g, g + G1, ... With
@@ -379,13 +380,22 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #if (defined(WEIGHT_Q4_K) || defined(WEIGHT_Q6_K)) && defined(INT8_DOT) && INT8_DOT
 #define RT_KQ 1                                   /* K-quant tiles: int8 dot products only (below) */
 #endif
-#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q4_1) || defined(RT_KQ)) \
+#if defined(WEIGHT_Q8_0) && defined(INT8_DOT) && INT8_DOT
+#define RT_Q8 1                                   /* Q8_0 tiles: int16 products of int8 dot programs only */
+#endif
+#if defined(RT_KQ) || defined(RT_Q8)
+#define RT_INT_ONLY 1                             /* no float tile, no tiled dequantize */
+#endif
+#if ROW_TILE != 16 || !(defined(WEIGHT_Q4_0) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q4_1) || defined(RT_INT_ONLY)) \
     || defined(ACT_Q8)
-#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K with INT8_DOT), and float activations"
+#error "matmul.cl: ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K, Q8_0 with INT8_DOT), and float activations"
 #endif
 #undef RPI
 #define RPI ROW_TILE                              /* a work-item's rows: one tile */
-#ifdef RT_KQ
+#ifdef RT_Q8
+#define RT_BYTES (16 * LOOM_Q8_0_BYTES)           /* a tile's block: 16 scales d, then 8 words */
+#define RT_QS 32
+#elif defined(RT_KQ)
 #define RT_BYTES (16 * KQ_BYTES)                  /* a tile's superblock: 16 scales d (Q4_K: 16 dmin), then words */
 #ifdef WEIGHT_Q4_K
 #define RT_QS 64
@@ -446,7 +456,7 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #define RT_BLOCK(acc, s, sx) fma(RT_SCALE * d, (s) - RT_BIAS * (sx), (acc))
 #define RT_W(f) ((f) - RT_BIAS)
 #endif
-#endif /* RT_KQ */
+#endif /* RT_Q8, RT_KQ */
 
 /* Token j's 16 sums of a tile to Y (rows >= nr are padding, not stored). */
 __attribute__((always_inline)) inline void rt_store(
@@ -482,7 +492,7 @@ inline float16 rt_glu16(float16 g, float16 u)
     return g / (1.0f + (float16)(loom_exp8(-g.lo), loom_exp8(-g.hi))) * u;
 }
 
-#ifndef RT_KQ
+#ifndef RT_INT_ONLY
 /* One token's 16 sums of the tile at p: per block, sum f x and apply the block's
  * scale (and zero point or minimum) once (RT_BLOCK). xr: the token's K inputs, in
  * global memory (rt_sum1) or, normed, in the work-group's local copy (rt_sum1_local). */
@@ -610,7 +620,7 @@ __attribute__((always_inline)) inline void mm_tile_normed(
     rt_store(acc, bias, Y, ldy, n0, nr, t0, 1);
 }
 #endif
-#endif /* !RT_KQ */
+#endif /* !RT_INT_ONLY */
 
 #if defined(INT8_DOT) && INT8_DOT
 /* ---- Tiles by int8 dot products (INT8_DOT: X is quantize_x's output) ----
@@ -630,6 +640,12 @@ __attribute__((always_inline)) inline void mm_tile_normed(
 #define RT_DOT 1
 #define RT_NB (K / LOOM_QK)
 #define RT_XQ 20                                   /* ints a block of quantize_x's output */
+#ifdef RT_Q8
+#define RT_X16 1                                   /* its digits as int16s 256 h + l */
+#else
+#define RT_X16 0
+#endif
+int8 rt_maddwd(short16 a, short16 b) __asm__("llvm.x86.avx2.pmadd.wd");
 #ifdef LOOM_DOT8_AVX2
 /* Without VNNI (the compiler defines LOOM_DOT8_AVX2 where device.int8_isa is "avx2"):
  * vpmaddubsw multiplies 32 weight bytes by 32 input digits and adds them in pairs
@@ -641,7 +657,6 @@ __attribute__((always_inline)) inline void mm_tile_normed(
 typedef uchar rt_u8x32 __attribute__((ext_vector_type(32)));
 typedef char rt_i8x32 __attribute__((ext_vector_type(32)));
 short16 rt_maddubs(rt_u8x32 u, rt_i8x32 x) __asm__("llvm.x86.avx2.pmadd.ub.sw");
-int8 rt_maddwd(short16 a, short16 b) __asm__("llvm.x86.avx2.pmadd.wd");
 #define RT_MUB(u, x) rt_maddubs(__builtin_astype((u), rt_u8x32), __builtin_astype((int8)(x), rt_i8x32))
 #define RT_PAIRS(s, k) ((int16)(rt_maddwd((s)[0], (short16)(k)), rt_maddwd((s)[1], (short16)(k))))
 #else
@@ -666,7 +681,61 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 #endif
 
-#ifdef RT_KQ
+#ifdef RT_Q8
+/* ---- Q8_0 tiles (int8 dot programs only) ----
+ * A weight byte is a signed value, so vpmaddubsw (unsigned times signed, pairs
+ * saturating at 32767) cannot take it; vpmaddwd can, on int16s: the input's two
+ * digits as one int16 256 h + l (quantize_x's x16 layout), the weights widened in
+ * the register (word j as int16 lanes [e0 e1][e2 e3] per row: a shift pair gives
+ * e0, e2 sign-extended, a shift e1, e3), 16 products an instruction into int32
+ * row sums: 256 (ih + il / 256), exactly the other tiles' integers, with no fold
+ * (|sum| <= 32 * 128 * 32639 < 2^31). Two int8 accumulators a token (rows 0-7,
+ * 8-15); an input pair is one 32-bit broadcast. */
+__attribute__((always_inline)) inline void mm_tile_dot(
+    const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
+    int n0, const int nr, int t0, const int nt)
+{
+    const __global uchar *p = W + (size_t)(n0 / 16) * RT_NB * RT_BYTES;
+    const __global int *xq[TPI];
+    float16 acc[TPI];
+    #pragma unroll
+    for (int t = 0; t < TPI; t++) {
+        xq[t] = XQ + (size_t)(t0 + (t < nt ? t : nt - 1)) * RT_NB * RT_XQ;
+        acc[t] = (float16)(0.0f);
+    }
+    for (int kb = 0; kb < RT_NB; kb++, p += RT_BYTES) {
+        const float16 d = vload_half16(0, (const __global half *)p);
+        int8 lo[TPI], hi[TPI];
+        #pragma unroll
+        for (int t = 0; t < TPI; t++)
+            lo[t] = hi[t] = (int8)(0);
+        #pragma unroll 2
+        for (int j = 0; j < 8; j++) {
+            const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
+            const short16 wl = as_short16(w.lo), wh = as_short16(w.hi);
+            const short16 el = (wl << (short)8) >> (short)8, ol = wl >> (short)8;
+            const short16 eh = (wh << (short)8) >> (short)8, oh = wh >> (short)8;
+            #pragma unroll
+            for (int t = 0; t < TPI; t++) {
+                if (t < nt) {
+                    const __global int *x = xq[t] + kb * RT_XQ + 2 * j;
+                    const short16 a = as_short16((int8)(x[0])), b = as_short16((int8)(x[1]));
+                    lo[t] += rt_maddwd(el, a) + rt_maddwd(ol, b);
+                    hi[t] += rt_maddwd(eh, a) + rt_maddwd(oh, b);
+                }
+            }
+        }
+        #pragma unroll
+        for (int t = 0; t < TPI; t++) {
+            if (t < nt) {
+                const float sx = as_float(xq[t][kb * RT_XQ + 16]);
+                acc[t] = fma(d, convert_float16((int16)(lo[t], hi[t])) * (sx / 256.0f), acc[t]);
+            }
+        }
+    }
+    rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
+}
+#elif defined(RT_KQ)
 /* ---- Q4_K and Q6_K tiles (int8 dot products only) ----
  * tile_blocks lays a superblock of 16 rows out as for the 32-value blocks: the
  * rows' d (Q4_K: then dmin) as halves, then word w (bytes 4w .. 4w + 3 of the
@@ -877,7 +946,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
     }
     rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
 }
-#endif /* RT_KQ */
+#endif /* RT_Q8, RT_KQ */
 
 /* X [T, ldx] -> XQ [T, K / 32 blocks of RT_XQ ints]: one work-item a block and
  * token, once per launch for every matmul that reads it. The launch before it
@@ -903,7 +972,7 @@ void quantize_x(const __global float *X, int ldx, __global int *XQ, int T, const
     lo = lo * inv * vload16(0, norm_w + b * LOOM_QK);
     hi = hi * inv * vload16(1, norm_w + b * LOOM_QK);
     if (t < T)
-        loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
+        loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ, RT_X16);
 }
 #else
 __kernel void quantize_x(const __global float *X, int ldx, __global int *XQ, int T)
@@ -917,7 +986,7 @@ __kernel void quantize_x(const __global float *X, int ldx, __global int *XQ, int
     lo = rt_glu16(lo, vload16(0, x + K));
     hi = rt_glu16(hi, vload16(1, x + K));
 #endif
-    loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ);
+    loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ, RT_X16);
 }
 #endif
 #endif /* INT8_DOT */
@@ -1162,7 +1231,7 @@ __attribute__((always_inline)) inline void mm_tile_q(
 #endif /* ACT_Q8 */
 
 /* One 32-element step of one row per work-item: W[n, kb .. kb + 32) -> Y. */
-#ifndef RT_KQ       /* (K-quant tiles are never widened: they exist where int8 dot products run) */
+#ifndef RT_INT_ONLY /* (K-quant and Q8_0 tiles are never widened: they exist where int8 dot products run) */
 __kernel void dequantize(const __global WTYPE *W, __global float *Y)
 {
     const int kb = get_global_id(0) * KSTEP, n = get_global_id(1);

@@ -1001,6 +1001,70 @@ def test_matmul_int8_dot_kquant_tiles_hold_the_largest_sums(env, kind):
     assert_close(got, dequantized_inputs(q) @ ref.T, 2e-6)
 
 
+def x16_from_digits(q):
+    """quantize_x's blocks with x16 (Q8_0 tiles' inputs), from the digit layout's q:
+    256 h + l per value as int16, each group of four values ordered 0, 2, 1, 3."""
+    digits = q[..., :16].copy().view(np.int8).astype(np.int32)
+    v = (256 * digits[..., :32] + digits[..., 32:]).astype(np.int16)
+    v = v.reshape(v.shape[:-1] + (8, 4))[..., [0, 2, 1, 3]].reshape(v.shape)
+    return np.concatenate([v.view(np.int32), q[..., 16:]], axis=-1)
+
+
+def test_quantize_x_for_q8_0_tiles_joins_the_digits(env):
+    """A Q8_0 program's quantize_x writes the digits the others write, joined: 256 h + l
+    as one int16 in vpmaddwd's pair order, with the same scale and sums."""
+    needs_int8_dot(env)
+    x = (rng(99).standard_normal((5, 896)) * 3).astype(np.float32)
+    x[0, :32] = 0.0                                   # a zero block: scale 0, digits 0
+    x[1, 32:64] = np.linspace(-1, 1, 32)              # the block's max at both ends
+    q = quantize_rows(env, "Q4_0", x)
+    assert np.array_equal(quantize_rows(env, "Q8_0", x), x16_from_digits(q))
+
+
+@pytest.mark.parametrize("isa", ["device", "avx2"])
+def test_matmul_int8_dot_q8_0_tiles_meet_numpy(env, isa):
+    """Q8_0 rows in tiles of 16 (INT8_DOT only: vpmaddwd on the weights and the joined
+    digits) against the same quantized weights times the same input digits in float64,
+    at tiles of 1, 2, 4 and 8 tokens, every tail width, bias and residual."""
+    needs_int8_dot(env)
+    if isa == "avx2" and env.info.get("int8_isa") == "avx2":
+        pytest.skip("the device's own instructions are AVX2's: the other case")
+    n, k = 37, 896
+    raw, ref = make_weights("Q8_0", random_weights(100, n, k))
+    r = rng(101)
+    x = (r.standard_normal((19, k)) * np.repeat(r.uniform(0.1, 3, k // 16), 16)).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((19, n)).astype(np.float32)
+    q = quantize_rows(env, "Q8_0", x)
+    exact = dequantized_inputs(quantize_rows(env, "Q4_0", x)) @ ref.T
+    want = x.astype(np.float64) @ ref.T
+    extra = dict(INT8_DOT=1, LOOM_DOT8_AVX2=1 if isa == "avx2" else None)
+    for tpi, ts in ((1, (1, 3)), (2, (1, 2, 5)), (4, (3, 4, 9)), (8, (1, 7, 8, 19))):
+        for t in ts:
+            got = run_row_tiles(env, "Q8_0", n, k, q[:t], raw, tpi, bias=bias, y0=y0[:t], extra=extra)
+            assert_close(got, exact[:t] + bias + y0[:t], 2e-6)
+            assert_close(got, want[:t] + bias + y0[:t], 1e-4)
+
+
+def test_matmul_int8_dot_q8_0_tiles_hold_the_largest_sums(env):
+    """Every weight byte at -128 or 127 against inputs whose two digits are near 127, of
+    either sign: a block's int32 row sums at their bound, still exact."""
+    needs_int8_dot(env)
+    n, k = 16, 512
+    raw, _ = make_weights("Q8_0", random_weights(102, n, k))
+    blocks = raw.reshape(-1, 34)
+    blocks[:, 2:] = np.where(np.arange(32) % 3 == 0, 0x80, 0x7F).astype(np.uint8)
+    blocks[:n * k // 64, 2:] = 0x80                  # the first rows: every byte -128
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64)
+    ref = (d * blocks[:, 2:].view(np.int8)).reshape(n, k)
+    x = np.ones((4, k), np.float32)
+    x[:, 31::32] = 1.004                           # x / s = 126.49: h = 126, l = 126
+    x[1::2] *= -1
+    q = quantize_rows(env, "Q8_0", x)
+    got = run_row_tiles(env, "Q8_0", n, k, q, raw, 2, extra=dict(INT8_DOT=1))
+    assert_close(got, dequantized_inputs(quantize_rows(env, "Q4_0", x)) @ ref.T, 2e-6)
+
+
 def test_matmul_int8_dot_needs_row_tiles(env):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, N=16, WEIGHT_Q4_0=True, INT8_DOT=1)
@@ -1012,7 +1076,7 @@ def test_matmul_int8_dot_needs_row_tiles(env):
 def test_matmul_row_tiles_only_for_4_and_5_bit_blocks_by_16(env, macros):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, N=16, **dict(dict(ROW_TILE=16), **macros))
-    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K with INT8_DOT), and float activations" \
+    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K, Q8_0 with INT8_DOT), and float activations" \
         in str(e.value)
 
 
@@ -1342,6 +1406,11 @@ def test_kv_store_and_attention(env, case):
     err = np.abs(dequantized_inputs(blocks).reshape(t, -1, 32) - floats)
     assert (err <= 3 * scale_q / 512).all()          # (l clamped at 127: up to s / 256 more)
     assert_digit_sums(blocks)
+    # QUANT_X16: the same digits joined, as a Q8_0 output projection's tiles read them
+    attn_x16 = env.build("attention", N_HEADS=heads, WINDOW=window, QUANT_OUT=True, QUANT_X16=1, **common).attention
+    env.run(attn_x16, (heads, t), (heads // kvh, 1), env.buf(q), i32(5), i32(width), kb, vb,
+            i32(layer_off), env.buf(q_pos), env.buf(q_rows), table_b, qb, i32(0), i32(0), i32(t), f32(scale))
+    assert np.array_equal(env.read(qb, (t, heads * dh // 32, 20), np.int32), x16_from_digits(blocks))
 
 
 def test_attention_is_stable_for_large_scores(env):
