@@ -52,6 +52,9 @@
  *                        differ from the float path by the input rounding (<= s / 512
  *                        per value, s = max|x| / 127 of its block: ~2e-5 of the
  *                        output scale).
+ *   DOT16          (0)   1 (INT8_DOT, Q4_0): the tiles take vpmaddwd on int16s, X
+ *                        in quantize_x's x16 layout (a Q8_0 program's always is):
+ *                        the byte tiles' integers, so the same results to the bit.
  *   NORM_IN              (ROW_TILE, TOKENS_PER_ITEM 1, float inputs) each token's
  *                        input row is RMS-normed inside the kernel, as rms_norm.cl
  *                        with its weight would: x / sqrt(mean(x^2) + eps) * g, for
@@ -77,8 +80,8 @@
  *
  * kernel quantize_x(const __global float *X, int ldx, __global int *XQ, int T)
  *   (INT8_DOT programs) X [T, K] (row stride ldx) -> XQ [T, K / 32, 20 ints];
- *   global = (K / 32, T), any local size. A Q8_0 program's digits are int16s
- *   (common.cl loom_quantize32's x16): only Q8_0 tiles read them.
+ *   global = (K / 32, T), any local size. A Q8_0 or DOT16 program's digits are
+ *   int16s (common.cl loom_quantize32's x16): only those programs' tiles read them.
  *
  * Launch: global = (round_up(ceil(N / ROWS_PER_ITEM), WG), G1), local = (WG, 1).
  *   G1 >= 1 is free: work-item (i, g) handles token tiles g, g + G1, ... With
@@ -640,8 +643,11 @@ __attribute__((always_inline)) inline void mm_tile_normed(
 #define RT_DOT 1
 #define RT_NB (K / LOOM_QK)
 #define RT_XQ 20                                   /* ints a block of quantize_x's output */
-#ifdef RT_Q8
-#define RT_X16 1                                   /* its digits as int16s 256 h + l */
+#if defined(DOT16) && DOT16 && !defined(WEIGHT_Q4_0)
+#error "matmul.cl: DOT16 needs WEIGHT_Q4_0"
+#endif
+#if defined(RT_Q8) || defined(DOT16) && DOT16
+#define RT_X16 1                                   /* the digits as int16s 256 h + l: vpmaddwd tiles */
 #else
 #define RT_X16 0
 #endif
@@ -681,16 +687,37 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 #endif
 
+#if RT_X16
+/* ---- Tiles on vpmaddwd: Q8_0, and Q4_0 cohorts (DOT16) ----
+ * A Q8_0 weight is signed, so vpmaddubsw (unsigned times signed bytes, pairs
+ * saturating at 32767) cannot take it; vpmaddwd can, on int16s: an input's two
+ * digits as one int16 256 h + l (quantize_x's x16 layout), the weights widened
+ * in the register, 16 products an instruction into int32 row sums with no fold:
+ * 256 (ih + il / 256), the other tiles' integers exactly. Word j of 8 rows as
+ * int16 lanes [b0 b1][b2 b3] a row gives pairs of elements whose inputs sit in
+ * one int of the x16 layout (values 4i, 4i + 2 | 4i + 1, 4i + 3), one 32-bit
+ * broadcast each. Q8_0 (W16_PAIRS 2): a left and a right arithmetic shift by 8
+ * give e0, e2 sign-extended, one right shift e1, e3; |sum| <= 32 * 128 * 32639
+ * < 2^31 a block. Q4_0: four masks give the nibbles of 4j, 4j + 2 | 4j + 1,
+ * 4j + 3 | 4j + 16, 4j + 18 | 4j + 17, 4j + 19, and the zero point starts the
+ * sums (-8 sum(x16)): where vpmaddubsw took both digits apart and folded its
+ * int16 pairs, a product of a nibble and a whole input is one lane. Two int8
+ * accumulators a token (rows 0-7, 8-15). */
 #ifdef RT_Q8
-/* ---- Q8_0 tiles (int8 dot programs only) ----
- * A weight byte is a signed value, so vpmaddubsw (unsigned times signed, pairs
- * saturating at 32767) cannot take it; vpmaddwd can, on int16s: the input's two
- * digits as one int16 256 h + l (quantize_x's x16 layout), the weights widened in
- * the register (word j as int16 lanes [e0 e1][e2 e3] per row: a shift pair gives
- * e0, e2 sign-extended, a shift e1, e3), 16 products an instruction into int32
- * row sums: 256 (ih + il / 256), exactly the other tiles' integers, with no fold
- * (|sum| <= 32 * 128 * 32639 < 2^31). Two int8 accumulators a token (rows 0-7,
- * 8-15); an input pair is one 32-bit broadcast. */
+#define W16_WORDS 8
+#define W16_PAIRS 2
+#define W16_UNPACK(w, u) (u[0] = (as_short16(w) << (short)8) >> (short)8, u[1] = as_short16(w) >> (short)8)
+#define W16_X(j, i) (2 * (j) + (i))                /* the input int paired with u[i] of word j */
+#define W16_Z 0
+#else
+#define W16_WORDS 4
+#define W16_PAIRS 4
+#define W16_M 0x000F000Fu
+#define W16_UNPACK(w, u) (u[0] = as_short16((w) & W16_M), u[1] = as_short16(((w) >> 8) & W16_M), \
+    u[2] = as_short16(((w) >> 4) & W16_M), u[3] = as_short16(((w) >> 12) & W16_M))
+#define W16_X(j, i) (2 * (j) + 8 * ((i) / 2) + (i) % 2)
+#define W16_Z 8
+#endif
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
     int n0, const int nr, int t0, const int nt)
@@ -705,23 +732,26 @@ __attribute__((always_inline)) inline void mm_tile_dot(
     }
     for (int kb = 0; kb < RT_NB; kb++, p += RT_BYTES) {
         const float16 d = vload_half16(0, (const __global half *)p);
-        int8 lo[TPI], hi[TPI];
+        int8 s[TPI][2];                            /* rows 0-7, 8-15 */
         #pragma unroll
         for (int t = 0; t < TPI; t++)
-            lo[t] = hi[t] = (int8)(0);
+            s[t][0] = s[t][1] = (int8)(-W16_Z * (256 * xq[t][kb * RT_XQ + 17] + xq[t][kb * RT_XQ + 18]));
         #pragma unroll 2
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < W16_WORDS; j++) {
             const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
-            const short16 wl = as_short16(w.lo), wh = as_short16(w.hi);
-            const short16 el = (wl << (short)8) >> (short)8, ol = wl >> (short)8;
-            const short16 eh = (wh << (short)8) >> (short)8, oh = wh >> (short)8;
             #pragma unroll
-            for (int t = 0; t < TPI; t++) {
-                if (t < nt) {
-                    const __global int *x = xq[t] + kb * RT_XQ + 2 * j;
-                    const short16 a = as_short16((int8)(x[0])), b = as_short16((int8)(x[1]));
-                    lo[t] += rt_maddwd(el, a) + rt_maddwd(ol, b);
-                    hi[t] += rt_maddwd(eh, a) + rt_maddwd(oh, b);
+            for (int h = 0; h < 2; h++) {
+                short16 u[W16_PAIRS];
+                W16_UNPACK(h ? w.hi : w.lo, u);
+                #pragma unroll
+                for (int t = 0; t < TPI; t++) {
+                    if (t < nt) {
+                        const __global int *x = xq[t] + kb * RT_XQ;
+                        #pragma unroll
+                        for (int i = 0; i < W16_PAIRS; i += 2)
+                            s[t][h] += rt_maddwd(u[i], as_short16((int8)(x[W16_X(j, i)])))
+                                     + rt_maddwd(u[i + 1], as_short16((int8)(x[W16_X(j, i + 1)])));
+                    }
                 }
             }
         }
@@ -729,7 +759,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         for (int t = 0; t < TPI; t++) {
             if (t < nt) {
                 const float sx = as_float(xq[t][kb * RT_XQ + 16]);
-                acc[t] = fma(d, convert_float16((int16)(lo[t], hi[t])) * (sx / 256.0f), acc[t]);
+                acc[t] = fma(d, convert_float16((int16)(s[t][0], s[t][1])) * (sx / 256.0f), acc[t]);
             }
         }
     }

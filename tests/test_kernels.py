@@ -1046,6 +1046,38 @@ def test_matmul_int8_dot_q8_0_tiles_meet_numpy(env, isa):
             assert_close(got, want[:t] + bias + y0[:t], 1e-4)
 
 
+def test_matmul_dot16_q4_0_tiles_give_the_byte_tiles_bits(env):
+    """Q4_0 tiles on vpmaddwd (DOT16: inputs in the x16 layout, a nibble times a whole input
+    per lane) form the integers the byte tiles form, so the same floats to the bit, at
+    tiles of 1, 2, 4 and 8 tokens, every tail width, bias and residual; and nibbles at 15
+    against inputs near the digits' bound stay exact."""
+    needs_int8_dot(env)
+    n, k = 37, 896
+    raw, ref = make_weights("Q4_0", random_weights(103, n, k))
+    r = rng(104)
+    x = (r.standard_normal((19, k)) * np.repeat(r.uniform(0.1, 3, k // 16), 16)).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((19, n)).astype(np.float32)
+    q = quantize_rows(env, "Q4_0", x)
+    for tpi, ts in ((1, (1, 3)), (2, (1, 2, 5)), (4, (3, 4, 9)), (8, (1, 7, 8, 19))):
+        for t in ts:
+            args = ("Q4_0", n, k)
+            got = run_row_tiles(env, *args, x16_from_digits(q[:t]), raw, tpi, bias=bias, y0=y0[:t],
+                                extra=dict(INT8_DOT=1, DOT16=1))
+            want = run_row_tiles(env, *args, q[:t], raw, tpi, bias=bias, y0=y0[:t], extra=dict(INT8_DOT=1))
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert_close(got, dequantized_inputs(q) @ ref.T + bias + y0, 2e-6)
+    blocks = raw.reshape(-1, 18)
+    blocks[:, 2:] = 0xFF                              # every nibble 15: +7 after the zero point
+    x = np.ones((4, k), np.float32)
+    x[:, 31::32] = 1.004                              # x / s = 126.49: h = 126, l = 126
+    x[1::2] *= -1
+    q = quantize_rows(env, "Q4_0", x)
+    got = run_row_tiles(env, "Q4_0", n, k, x16_from_digits(q), raw, 2, extra=dict(INT8_DOT=1, DOT16=1))
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64).reshape(n, -1)
+    assert_close(got, dequantized_inputs(q) @ np.repeat(7 * d, 32, axis=1).T, 2e-6)
+
+
 def test_matmul_int8_dot_q8_0_tiles_hold_the_largest_sums(env):
     """Every weight byte at -128 or 127 against inputs whose two digits are near 127, of
     either sign: a block's int32 row sums at their bound, still exact."""
