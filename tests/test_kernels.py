@@ -1021,6 +1021,15 @@ def test_quantize_x_for_q8_0_tiles_joins_the_digits(env):
     assert np.array_equal(quantize_rows(env, "Q8_0", x), x16_from_digits(q))
 
 
+def dot_tile_case(kind, seed, n=37, k=896):
+    """A matrix of `kind` (raw bytes, float64 values), 19 tokens of inputs whose blocks span
+    a range of scales, a bias and a residual: the int8 dot tile tests' operands."""
+    raw, ref = make_weights(kind, random_weights(seed, n, k))
+    r = rng(seed + 1)
+    x = (r.standard_normal((19, k)) * np.repeat(r.uniform(0.1, 3, k // 16), 16)).astype(np.float32)
+    return raw, ref, x, r.standard_normal(n).astype(np.float32), r.standard_normal((19, n)).astype(np.float32)
+
+
 @pytest.mark.parametrize("isa", ["device", "avx2"])
 def test_matmul_int8_dot_q8_0_tiles_meet_numpy(env, isa):
     """Q8_0 rows in tiles of 16 (INT8_DOT only: vpmaddwd on the weights and the joined
@@ -1030,11 +1039,7 @@ def test_matmul_int8_dot_q8_0_tiles_meet_numpy(env, isa):
     if isa == "avx2" and env.info.get("int8_isa") == "avx2":
         pytest.skip("the device's own instructions are AVX2's: the other case")
     n, k = 37, 896
-    raw, ref = make_weights("Q8_0", random_weights(100, n, k))
-    r = rng(101)
-    x = (r.standard_normal((19, k)) * np.repeat(r.uniform(0.1, 3, k // 16), 16)).astype(np.float32)
-    bias = r.standard_normal(n).astype(np.float32)
-    y0 = r.standard_normal((19, n)).astype(np.float32)
+    raw, ref, x, bias, y0 = dot_tile_case("Q8_0", 100, n, k)
     q = quantize_rows(env, "Q8_0", x)
     exact = dequantized_inputs(quantize_rows(env, "Q4_0", x)) @ ref.T
     want = x.astype(np.float64) @ ref.T
@@ -1053,11 +1058,7 @@ def test_matmul_dot16_q4_0_tiles_give_the_byte_tiles_bits(env):
     against inputs near the digits' bound stay exact."""
     needs_int8_dot(env)
     n, k = 37, 896
-    raw, ref = make_weights("Q4_0", random_weights(103, n, k))
-    r = rng(104)
-    x = (r.standard_normal((19, k)) * np.repeat(r.uniform(0.1, 3, k // 16), 16)).astype(np.float32)
-    bias = r.standard_normal(n).astype(np.float32)
-    y0 = r.standard_normal((19, n)).astype(np.float32)
+    raw, ref, x, bias, y0 = dot_tile_case("Q4_0", 103, n, k)
     q = quantize_rows(env, "Q4_0", x)
     for tpi, ts in ((1, (1, 3)), (2, (1, 2, 5)), (4, (3, 4, 9)), (8, (1, 7, 8, 19))):
         for t in ts:
