@@ -617,10 +617,17 @@ def test_matmul_more_accumulators_than_a_block_has_vectors(env, kind):
 
 # ---------------------------------------------------------------- Q4_0 in tiles of 16 rows (ROW_TILE)
 
-def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, extra=None):
-    """matmul with ROW_TILE 16 on raw Q4_0 / Q5_0 rows laid out as llama.loom's tiled(0, 16) params
-    are (runtime.tile_blocks): one work-item a tile, Y as a view (y_off 3, ldy) of a wider
-    buffer whose other columns must come back untouched."""
+def tiled16(raw, n, kind):
+    """A matrix as llama.loom's tiled(0, 16) params hold it: runtime.tile_blocks for block
+    formats, runtime.tile for F16 ([N/16][K][16] halves)."""
+    return tile(raw, 0, 16) if kind == "F16" else tile_blocks(raw, n, kind, 16)
+
+
+def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, extra=None, split=1):
+    """matmul with ROW_TILE 16 on raw rows laid out as llama.loom's tiled(0, 16) params
+    are (tiled16): one work-item a tile (and token tiles shared among `split` items along
+    dim 1), Y as a view (y_off 3, ldy) of a wider buffer whose other columns must come back
+    untouched."""
     t = x.shape[0]
     ldy = ldy or n + 5
     wide = rng(7).standard_normal((t, ldy)).astype(np.float32)
@@ -630,8 +637,8 @@ def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, ex
                     HAS_BIAS=bias is not None, ACCUMULATE=y0 is not None, **(extra or {}))
     yb = env.buf(wide)
     tiles = -(-n // 16)
-    env.run(prg.matmul, (-(-tiles // 8) * 8, 1), (8, 1), env.buf(x), i32(0), i32(k),
-            env.buf(tile_blocks(raw, n, kind, 16)), env.buf(bias) if bias is not None else None,
+    env.run(prg.matmul, (-(-tiles // 8) * 8, split), (8, 1), env.buf(x), i32(0), i32(k),
+            env.buf(tiled16(raw, n, kind)), env.buf(bias) if bias is not None else None,
             yb, i32(3), i32(ldy), i32(t))
     got = env.read(yb, wide.shape)
     assert np.array_equal(got[:, :3], wide[:, :3]) and np.array_equal(got[:, 3 + n:], wide[:, 3 + n:])
@@ -658,7 +665,26 @@ def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
                 assert_close(run_row_tiles(env, kind, n, k, x[:t], raw, tpi), want[:t], REL[kind])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("n, k", [(37, 896), (5, 4864), (21, 37)])
+def test_matmul_f16_tiles_meet_numpy(env, n, k):
+    """F16 held in tiles of 16 rows (outer products, RT_F16): one token (two chains, K odd
+    too), tiles of 6 tokens with every tail width, bias and residual add, token tiles split
+    between two work-items (dim 1), and a last tile of padding rows never stored."""
+    raw, ref = make_weights("F16", random_weights(64, n, k))
+    r = rng(65)
+    x = r.standard_normal((19, k)).astype(np.float32)
+    bias = r.standard_normal(n).astype(np.float32)
+    y0 = r.standard_normal((19, n)).astype(np.float32)
+    want = x.astype(np.float64) @ ref.T
+    for tpi, ts in ((1, (1, 2)), (6, range(1, 14))):
+        for t in ts:
+            got = run_row_tiles(env, "F16", n, k, x[:t], raw, tpi, bias=bias, y0=y0[:t])
+            assert_close(got, want[:t] + bias + y0[:t], REL["F16"])
+    for t in (1, 7, 12, 19):
+        assert_close(run_row_tiles(env, "F16", n, k, x[:t], raw, 6, split=2), want[:t], REL["F16"])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1", "F16"])
 def test_matmul_cat_row_tiles_give_each_matrix_its_own_bits(env, kind):
     """matmul_cat over three tiled matrices (q|k|v): each output column is the bits matmul
     gives for its matrix alone."""
@@ -670,7 +696,7 @@ def test_matmul_cat_row_tiles_give_each_matrix_its_own_bits(env, kind):
                         WG=8, **{"WEIGHT_" + kind: True})
         yb = env.buf(np.full((t, sum(rows)), np.nan, np.float32))
         env.run(prg.matmul_cat, (8, 1), (8, 1), env.buf(x[:t]), i32(0), i32(k),
-                *[env.buf(tile_blocks(raw, n, kind, 16)) for (raw, _), n in zip(mats, rows)],
+                *[env.buf(tiled16(raw, n, kind)) for (raw, _), n in zip(mats, rows)],
                 None, None, None, yb, i32(0), i32(sum(rows)), i32(t))
         got = env.read(yb, (t, sum(rows)))
         col = 0
@@ -687,7 +713,7 @@ def rms_normed(x, g, eps):
     return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * g
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1", "F16"])
 @pytest.mark.parametrize("n, k", [(37, 896), (16, 96)])
 def test_matmul_norm_in_tiles_meet_rms_norm_then_numpy(env, kind, n, k):
     """NORM_IN (decode's q|k|v and the head): each token's input row RMS-normed inside the
@@ -712,7 +738,7 @@ def test_matmul_norm_in_tiles_meet_rms_norm_then_numpy(env, kind, n, k):
                             HAS_BIAS=b is not None, ACCUMULATE=y is not None, **{"WEIGHT_" + kind: True})
             yb = env.buf(wide)
             env.run(prg.matmul, (-(-n // 128) * 8, 1), (8, 1), env.buf(x[:t]), i32(0), i32(k),
-                    env.buf(tile_blocks(raw, n, kind, 16)), env.buf(b) if b is not None else None,
+                    env.buf(tiled16(raw, n, kind)), env.buf(b) if b is not None else None,
                     yb, i32(3), i32(ldy), i32(t), env.buf(g), f32(eps))
             got = env.read(yb, wide.shape)
             assert np.array_equal(got[:, :3], wide[:, :3]) and np.array_equal(got[:, 3 + n:], wide[:, 3 + n:])
@@ -727,7 +753,7 @@ def test_matmul_norm_in_tiles_meet_rms_norm_then_numpy(env, kind, n, k):
                     WG=8, NORM_IN=True, **{"WEIGHT_" + kind: True})
     yb = env.buf(np.full((3, sum(rows)), np.nan, np.float32))
     env.run(prg.matmul_cat, (8, 1), (8, 1), env.buf(x), i32(0), i32(k),
-            *[env.buf(tile_blocks(m_raw, m, kind, 16)) for (m_raw, _), m in zip(mats, rows)],
+            *[env.buf(tiled16(m_raw, m, kind)) for (m_raw, _), m in zip(mats, rows)],
             None, None, None, yb, i32(0), i32(sum(rows)), i32(3), env.buf(g), f32(eps))
     got = env.read(yb, (3, sum(rows)))
     col = 0
@@ -736,14 +762,14 @@ def test_matmul_norm_in_tiles_meet_rms_norm_then_numpy(env, kind, n, k):
         alone_prg = env.build("matmul", K=k, N=m, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=8, NORM_IN=True,
                               **{"WEIGHT_" + kind: True})
         ab = env.buf(np.zeros((3, m), np.float32))
-        env.run(alone_prg.matmul, (8, 1), (8, 1), env.buf(x), i32(0), i32(k), env.buf(tile_blocks(m_raw, m, kind, 16)),
+        env.run(alone_prg.matmul, (8, 1), (8, 1), env.buf(x), i32(0), i32(k), env.buf(tiled16(m_raw, m, kind)),
                 None, ab, i32(0), i32(m), i32(3), env.buf(g), f32(eps))
         assert np.array_equal(got[:, col:col + m].view(np.uint32), env.read(ab, (3, m)).view(np.uint32))
         assert_close(got[:, col:col + m], rms_normed(x, g, eps) @ m_ref.T, REL[kind])
         col += m
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1", "F16"])
 def test_matmul_glu_is_silu_gate_times_up(env, kind):
     """matmul_glu (decode's feed-forward): silu(x W0^T) * (x W1^T) from tiles of both
     matrices in one launch, with and without NORM_IN, against numpy; padding rows and
@@ -763,7 +789,7 @@ def test_matmul_glu_is_silu_gate_times_up(env, kind):
         for t in (1, 2):
             yb = env.buf(np.full((t, n + 3), np.nan, np.float32))
             env.run(prg.matmul_glu, (8, 1), (8, 1), env.buf(x[:t]), i32(0), i32(k),
-                    env.buf(tile_blocks(raw0, n, kind, 16)), env.buf(tile_blocks(raw1, n, kind, 16)),
+                    env.buf(tiled16(raw0, n, kind)), env.buf(tiled16(raw1, n, kind)),
                     yb, i32(0), i32(n + 3), i32(t), *((env.buf(g), f32(eps)) if norm else ()))
             got = env.read(yb, (t, n + 3))
             assert np.isnan(got[:, n:]).all()
@@ -1105,12 +1131,13 @@ def test_matmul_int8_dot_needs_row_tiles(env):
 
 
 @pytest.mark.parametrize("macros", [dict(WEIGHT_Q8_0=True), dict(WEIGHT_Q4_0=True, ACT_Q8=True),
-                                    dict(WEIGHT_Q4_0=True, ROW_TILE=8), dict(WEIGHT_Q4_K=True)])
-def test_matmul_row_tiles_only_for_4_and_5_bit_blocks_by_16(env, macros):
+                                    dict(WEIGHT_Q4_0=True, ROW_TILE=8), dict(WEIGHT_Q4_K=True),
+                                    dict(WEIGHT_F32=True), dict(WEIGHT_F16=True, INT8_DOT=1)])
+def test_matmul_row_tiles_only_for_4_and_5_bit_blocks_and_f16_by_16(env, macros):
     with pytest.raises(cl.RuntimeError) as e:
         env.build("matmul", K=64, N=16, **dict(dict(ROW_TILE=16), **macros))
-    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0 or WEIGHT_Q4_1 (Q4_K, Q6_K, Q8_0 with INT8_DOT), and float activations" \
-        in str(e.value)
+    assert "ROW_TILE needs 16, WEIGHT_Q4_0, WEIGHT_Q5_0, WEIGHT_Q4_1 or WEIGHT_F16 (Q4_K, Q6_K, Q8_0 with INT8_DOT), " \
+        "and float activations" in str(e.value)
 
 
 def test_matmul_missing_macro_is_a_build_error(env):
