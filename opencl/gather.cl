@@ -15,6 +15,10 @@
  * bounds, but the caller must validate ids (this is not an error report).
  * With TABLE_F32 this also gathers activation rows (e.g. the last token of
  * each sequence before the output head).
+ * TABLE_TILE (0)  16: the table as a param declared tiled(0, 16) holds it
+ *   (TABLE_F16: runtime.tile; TABLE_Q8_0, Q4_0, Q4_1, Q5_0: runtime.tile_blocks),
+ *   each value read where its tile put it: a tied lm head keeps the embedding's
+ *   layout, so where the head takes tiles, embedding lookup reads them too.
  */
 
 #ifndef D
@@ -87,6 +91,59 @@
 #error "gather.cl: quantized tables need D % 32 == 0"
 #endif
 
+#if defined(TABLE_TILE) && TABLE_TILE
+#if TABLE_TILE != 16 || !(defined(TABLE_F16) || defined(TABLE_Q8_0) || defined(TABLE_Q4_0) || defined(TABLE_Q4_1) \
+    || defined(TABLE_Q5_0))
+#error "gather.cl: TABLE_TILE needs 16 and TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1 or TABLE_Q5_0"
+#endif
+/* Value i of row id: lane id % 16 of tile id / 16. A block tile holds per block the
+ * 16 rows' f16 scales side by side (Q4_1: then the 16 minimums; Q5_0: then the 16
+ * fifth-bit words), then word j (bytes 4j .. 4j + 3) of the 16 rows side by side. */
+inline float tiled_at(const __global TABLE_T *table, int id, int i)
+{
+    const int lane = id % 16;
+#ifdef TABLE_F16
+    return loom_ldh(table + ((size_t)(id / 16) * D + i) * 16 + lane);
+#else
+#if defined(TABLE_Q8_0)
+#define TILE_BLOCK (16 * LOOM_Q8_0_BYTES)
+#define TILE_QS 32
+#elif defined(TABLE_Q4_1)
+#define TILE_BLOCK (16 * LOOM_Q4_1_BYTES)
+#define TILE_QS 64
+#elif defined(TABLE_Q5_0)
+#define TILE_BLOCK (16 * LOOM_Q5_0_BYTES)
+#define TILE_QS 96
+#else
+#define TILE_BLOCK (16 * LOOM_Q4_0_BYTES)
+#define TILE_QS 32
+#endif
+    const __global uchar *p = table + ((size_t)(id / 16) * (D / LOOM_QK) + i / LOOM_QK) * TILE_BLOCK;
+    const int c = i % LOOM_QK;
+    const float d = loom_ldh((const __global half *)p + lane);
+#ifdef TABLE_Q8_0
+    return d * (float)(char)p[TILE_QS + ((c / 4) * 16 + lane) * 4 + c % 4];
+#else
+    const int e = c % 16;                          /* byte e of the block's nibbles: c low, c + 16 high */
+    const uint byte = p[TILE_QS + ((e / 4) * 16 + lane) * 4 + e % 4];
+    uint u = c < 16 ? byte & 15u : byte >> 4;
+#if defined(TABLE_Q4_1)
+    return (float)u * d + loom_ldh((const __global half *)p + 16 + lane);
+#elif defined(TABLE_Q5_0)
+    const uint h = ((const __global uint *)(p + 32))[lane];      /* as runtime._Q5_0_FIFTH_BITS placed them */
+    u |= ((h >> (8 * (e % 4) + e / 4 + (c < 16 ? 4 : 0))) & 1u) << 4;
+    return ((float)u - 16.0f) * d;
+#else
+    return ((float)u - 8.0f) * d;
+#endif
+#endif
+#endif
+}
+#define GATHER(id, i) tiled_at(table, (id), (i))
+#else
+#define GATHER(id, i) AT(table + (size_t)(id) * ROW_STRIDE, (i))
+#endif
+
 __kernel void gather(const __global TABLE_T *table, const __global int *ids,
                      __global float *out, int T, float scale)
 {
@@ -96,6 +153,6 @@ __kernel void gather(const __global TABLE_T *table, const __global int *ids,
     const int id = ids[t];
     float v = 0.0f;
     if (id >= 0 && id < VOCAB)
-        v = AT(table + (size_t)id * ROW_STRIDE, i) * scale;
+        v = GATHER(id, i) * scale;
     out[(size_t)t * D + i] = v;
 }

@@ -1698,6 +1698,35 @@ def test_gather(env, kind):
     assert not got[~ok].any()                       # out-of-range ids give zeros
 
 
+@pytest.mark.parametrize("kind", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_gather_from_row_tiles_reads_every_value_where_the_tile_put_it(env, kind):
+    """TABLE_TILE 16 (a tied lm head's table held in tiles): the rows of every lane, in
+    the last tile with padding rows too, the same bits as the row-major table gives;
+    ids outside the table give zeros."""
+    vocab, d = 50, 96
+    raw, ref = make_weights(kind, random_weights(601, vocab, d))
+    ids = np.array([0, 15, 16, 31, 33, 47, 48, 49, -1, 50, 7], np.int32)
+    t = len(ids)
+    out = {}
+    for tiled in (0, 16):
+        prg = env.build("gather", D=d, VOCAB=vocab, TABLE_TILE=tiled, **{"TABLE_" + kind: True})
+        ob = env.empty(t * d * 4)
+        env.run(prg.gather, (d, t), None, env.buf(tiled16(raw, vocab, kind) if tiled else raw), env.buf(ids), ob,
+                i32(t), f32(1.5))
+        out[tiled] = env.read(ob, (t, d))
+    assert np.array_equal(out[16].view(np.uint32), out[0].view(np.uint32))
+    ok = (ids >= 0) & (ids < vocab)
+    assert_close(out[16][ok], ref[ids[ok]] * 1.5, REL[kind])
+    assert not out[16][~ok].any()
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q4_K"])
+def test_gather_row_tiles_only_for_the_tiled_types(env, kind):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("gather", D=256, VOCAB=4, TABLE_TILE=16, **{"TABLE_" + kind: True})
+    assert "TABLE_TILE needs 16 and TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1 or TABLE_Q5_0" in str(e.value)
+
+
 @pytest.mark.parametrize("kind", KQUANTS)
 @pytest.mark.parametrize("d", [256, 768])
 def test_gather_kquants(env, kind, d):
