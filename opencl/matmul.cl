@@ -591,15 +591,16 @@ __attribute__((always_inline)) inline float rt_norm(const __global float *x, con
 }
 #endif
 
-#ifdef RT_F16
 /* Rows n0 .. n0 + 15 (one tile; rows >= nr are padding: computed, not stored) x nt
- * tokens from t0. */
+ * tokens from t0. One token: rt_sum1; wider F16 tiles are outer products per k,
+ * wider block tiles take RT_W(f) once for their nt tokens (Q4_1 adds m sum(x) per
+ * token and block). */
 __attribute__((always_inline)) inline void mm_tile(
     const __global float *X, int ldx, const __global WTYPE *W,
     const __global float *bias, __global float *Y, int ldy,
     int n0, const int nr, int t0, const int nt)
 {
-    const __global half *p = W + (size_t)(n0 / 16) * RT_TILE_SIZE;
+    const __global WTYPE *p = W + (size_t)(n0 / 16) * RT_TILE_SIZE;
     const __global float *xrow[TPI];
     float16 acc[TPI];
     #pragma unroll
@@ -610,6 +611,7 @@ __attribute__((always_inline)) inline void mm_tile(
     if (nt == 1) {
         acc[0] = rt_sum1(xrow[0], p);
     } else {
+#ifdef RT_F16
         #pragma unroll 4
         for (int k = 0; k < K; k++) {
             const float16 w = loom_ldh16(p + 16 * k);
@@ -618,29 +620,7 @@ __attribute__((always_inline)) inline void mm_tile(
                 if (t < nt)
                     acc[t] = fma(w, (float16)(xrow[t][k]), acc[t]);
         }
-    }
-    rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
-}
 #else
-/* Rows n0 .. n0 + 15 (one tile; rows >= nr are padding: computed, not stored) x nt
- * tokens from t0. One token: rt_sum1; wider tiles take RT_W(f) once for their nt
- * tokens (Q4_1 adds m sum(x) per token and block). */
-__attribute__((always_inline)) inline void mm_tile(
-    const __global float *X, int ldx, const __global WTYPE *W,
-    const __global float *bias, __global float *Y, int ldy,
-    int n0, const int nr, int t0, const int nt)
-{
-    const __global uchar *p = W + (size_t)(n0 / 16) * RT_TILE_SIZE;
-    const __global float *xrow[TPI];
-    float16 acc[TPI];
-    #pragma unroll
-    for (int j = 0; j < TPI; j++) {
-        xrow[j] = X + (size_t)(t0 + (j < nt ? j : nt - 1)) * ldx;
-        acc[j] = (float16)(0.0f);
-    }
-    if (nt == 1) {
-        acc[0] = rt_sum1(xrow[0], p);
-    } else {
         for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {
             const float16 d = vload_half16(0, (const __global half *)p);
             RT_MIN_DECL(p)
@@ -673,10 +653,10 @@ __attribute__((always_inline)) inline void mm_tile(
 #endif
             }
         }
+#endif /* RT_F16 */
     }
     rt_store(acc, bias, Y, ldy, n0, nr, t0, nt);
 }
-#endif /* RT_F16 */
 
 #ifdef NORM_IN
 /* The tile at n0 for one token whose normed inputs the group holds in xl. */
