@@ -863,10 +863,9 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         xq[t] = XQ + (size_t)(t0 + (t < nt ? t : nt - 1)) * RT_NB * RT_XQ;
         acc[t] = (float16)(0.0f);
     }
-    const __global uchar *end = p + (K / LOOM_QK_K) * RT_BYTES;
     for (int kb = 0; kb < RT_NB; kb += 8, p += RT_BYTES) {
 #if TPI == 1
-        if (p + 2 * RT_BYTES <= end)                 /* within the tile: a prefetch past a buffer is undefined */
+        if (kb + 8 < RT_NB)                          /* within the tile: a prefetch past a buffer is undefined */
             prefetch(p + RT_BYTES, RT_BYTES);        /* the next superblock (above) */
 #endif
         const float16 d = vload_half16(0, (const __global half *)p);
