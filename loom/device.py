@@ -842,6 +842,11 @@ class Device:
         if array.nbytes:
             cl.enqueue_copy(self.queue, buf.buffer, array, dst_offset=offset, is_blocking=True)
 
+    def zero(self, buf: DeviceBuffer) -> None:
+        """Fill ``buf`` with zero bytes; returns when the fill is done."""
+        if buf.nbytes:
+            cl.enqueue_fill_buffer(self.queue, buf.buffer, np.zeros(1, np.uint8), 0, buf.nbytes).wait()
+
     def download(self, buf: DeviceBuffer, dtype, count: int, offset: int = 0) -> np.ndarray:
         """``count`` items of ``dtype`` from ``buf`` at byte ``offset`` (blocking)."""
         return self.download_async(buf, dtype, count, offset).wait()

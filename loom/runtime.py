@@ -649,8 +649,10 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
 def _upload(prepared, checkpoint, progress):
     _upload_params(prepared, checkpoint, progress)
     for state in prepared.binding.states.values():
-        prepared.states[state.name] = prepared.device.pool.alloc(state_bytes(prepared.binding, state),
-                                                                 prepared.name, "state")
+        buf = prepared.device.pool.alloc(state_bytes(prepared.binding, state), prepared.name, "state")
+        prepared.states[state.name] = buf
+        if not state.page:      # starts as zeros (a kernel's counters); rows write their pages before reading them
+            prepared.device.zero(buf)
 
 
 def state_bytes(binding, state):

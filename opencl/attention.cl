@@ -25,6 +25,13 @@
  *   HEAD_DIM / 32 blocks of 20 ints]; o_off and ldo unused): the output
  *   projection's int8 inputs without a launch of their own; QUANT_X16 1 writes
  *   them as Q8_0 tiles read them (common.cl loom_quantize32's x16).
+ *   ROPE_IN (ROPE_NEOX or not, as rope.cl; every token of the launch in a row of
+ *   its own, as in decode): Q is the q | k | v rows as projected, k and v heads at
+ *   columns k_off and v_off (three more arguments after scale: theta, freq_scale,
+ *   k_off, v_off: four); each work-group first rotates its kv head's key and
+ *   stores it and the value at pos[t] as rope.cl's rope_store would, and each
+ *   query head is rotated as it is read: one launch where decode ran two. Needs
+ *   local = (N_HEADS / N_KV_HEADS, 1) (a group, one kv head).
  * Launch: global = (N_HEADS, T), local = (L, 1) with L dividing N_HEADS, e.g.
  *   N_HEADS / N_KV_HEADS so one work-group shares its kv head's pages in cache.
  *
@@ -72,16 +79,34 @@
 #define QUANT_X16 0
 #endif
 
+#ifdef ROPE_IN
+#define KV_IN __global KV_T
+#define ROPE_PARAMS , float theta, float freq_scale, int k_off, int v_off
+#ifdef KV_F16
+#define KV_PUT(v, p) vstore_half_rte((v), 0, (p))
+#else
+#define KV_PUT(v, p) (*(p) = (v))
+#endif
+#else
+#define KV_IN const __global KV_T
+#define ROPE_PARAMS
+#endif
+
 __kernel void attention(const __global float *Q, int q_off, int ldq,
-                        const __global KV_T *Kc, const __global KV_T *Vc, int layer_off,
+                        KV_IN *Kc, KV_IN *Vc, int layer_off,
                         const __global int *pos, const __global int *row_of,
                         const __global int *page_table,
                         __global float *O, int o_off, int ldo,
-                        int T, float scale)
+                        int T, float scale ROPE_PARAMS)
 {
     const int h = get_global_id(0), t = get_global_id(1);
+#ifdef ROPE_IN
+    if (t >= T)     /* whole groups only: all of one reach the barrier */
+        return;
+#else
     if (h >= N_HEADS || t >= T)
         return;
+#endif
     const int g = h / GROUP;
     int last = pos[t];
     if (last >= MAX_PAGES * PAGE_SIZE)
@@ -94,11 +119,49 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
 
     float8 qv[HD8], av[HD8];
     const __global float *q = Q + q_off + (size_t)t * ldq + h * HEAD_DIM;
+#ifdef ROPE_IN
+    /* this group's kv head: the key rotated, it and the value stored at pos[t]
+     * (rope_store's arithmetic and skips), visible to the group after the barrier */
+    if (last >= 0 && pt[last / PAGE_SIZE] >= 0) {
+        const size_t dst = (size_t)layer_off + ((size_t)pt[last / PAGE_SIZE] * PAGE_SIZE + last % PAGE_SIZE) * KV_ROW
+                           + g * HEAD_DIM;
+        const __global float *k = Q + q_off + (size_t)t * ldq + k_off + g * HEAD_DIM;
+        const __global float *v = Q + q_off + (size_t)t * ldq + v_off + g * HEAD_DIM;
+        for (int i = get_local_id(0); i < HEAD_DIM / 2; i += GROUP) {
+            float c;
+            const float sn = loom_rope_angle(i, HEAD_DIM, last, theta, freq_scale, &c);
+            const int ia = LOOM_ROPE_IA(i, HEAD_DIM), ib = LOOM_ROPE_IB(i, HEAD_DIM);
+            const float a = k[ia], b = k[ib];
+            KV_PUT(a * c - b * sn, Kc + dst + ia);
+            KV_PUT(a * sn + b * c, Kc + dst + ib);
+            KV_PUT(v[ia], Vc + dst + ia);
+            KV_PUT(v[ib], Vc + dst + ib);
+        }
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    float qr[HEAD_DIM];
+    for (int d = 0; d < HEAD_DIM; d++)
+        qr[d] = q[d];
+    for (int i = 0; i < HEAD_DIM / 2; i++) {
+        float c;
+        const float sn = loom_rope_angle(i, HEAD_DIM, pos[t], theta, freq_scale, &c);
+        const int ia = LOOM_ROPE_IA(i, HEAD_DIM), ib = LOOM_ROPE_IB(i, HEAD_DIM);
+        const float a = qr[ia], b = qr[ib];
+        qr[ia] = a * c - b * sn;
+        qr[ib] = a * sn + b * c;
+    }
+    #pragma unroll
+    for (int c = 0; c < HD8; c++) {
+        qv[c] = vload8(c, qr) * scale;
+        av[c] = (float8)(0.0f);
+    }
+#else
     #pragma unroll
     for (int c = 0; c < HD8; c++) {
         qv[c] = loom_ld_float8(q + 8 * c) * scale;
         av[c] = (float8)(0.0f);
     }
+#endif
     float m = -FLT_MAX, l = 0.0f;
 
     for (int p0 = first; p0 <= last;) {

@@ -596,3 +596,20 @@ __attribute__((always_inline)) inline void loom_quantize32(const float16 a, cons
     q[18] = (int)loom_hsum16(la + lb);
     q[19] = as_int(((uint)(int)loom_hsum16(ha) & 0xFFFFu) | ((uint)(int)loom_hsum16(la) << 16));
 }
+
+/* ---- rotary embedding (rope.cl; attention.cl ROPE_IN) ----
+ * Pair i of a head's `dims` rotated dimensions turns by p freq_scale
+ * theta^(-2i / dims); c through *c, the sine returned. The pair is (2i, 2i + 1)
+ * (ggml mode 0), or (i, i + dims / 2) with ROPE_NEOX. */
+inline float loom_rope_angle(int i, int dims, int p, float theta, float freq_scale, float *c)
+{
+    const float inv_freq = pow(theta, -2.0f * (float)i / (float)dims);
+    return sincos((float)p * freq_scale * inv_freq, c);
+}
+#ifdef ROPE_NEOX
+#define LOOM_ROPE_IA(i, dims) (i)
+#define LOOM_ROPE_IB(i, dims) ((i) + (dims) / 2)
+#else
+#define LOOM_ROPE_IA(i, dims) (2 * (i))
+#define LOOM_ROPE_IB(i, dims) (2 * (i) + 1)
+#endif

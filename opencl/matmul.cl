@@ -65,6 +65,11 @@
  *                        once, so results differ from rms_norm then matmul by
  *                        rounding (~1e-6 of the output scale). Decode's launch of
  *                        rms_norm (one work-item a token, the other core idle) is gone.
+ *   QX_TAIL              (INT8_DOT) the launch's last work-group also writes the next
+ *                        projection's input as quantize_x would (below): 1 Y's rows
+ *                        RMS-normed (XQ, norm_w, eps, done after T), 2 silu(gate) up
+ *                        of gate | up rows (XQ, done); QX_K, QX_X16 the consumer's K
+ *                        and layout; done an int that is 0 between launches.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
@@ -131,6 +136,12 @@
 #endif
 #if (defined(NORM_IN) || defined(GLU)) && (!defined(ROW_TILE) || TOKENS_PER_ITEM != 1 || (defined(INT8_DOT) && INT8_DOT))
 #error "matmul.cl: NORM_IN and GLU need ROW_TILE, TOKENS_PER_ITEM 1 and float inputs"
+#endif
+#if defined(QX_TAIL) && !(defined(INT8_DOT) && INT8_DOT)
+#error "matmul.cl: QX_TAIL needs INT8_DOT"
+#endif
+#if defined(QX_TAIL) && (QX_K % 32 != 0 || (QX_TAIL == 1 ? N : 2 * QX_K) != N)
+#error "matmul.cl: QX_TAIL quantizes Y's N columns (1) or gate | up's N / 2 (2), in blocks of 32"
 #endif
 #ifdef NORM_IN
 #define NORM_PARAMS , const __global float *norm_w, float eps
@@ -1082,6 +1093,62 @@ __kernel void quantize_x(const __global float *X, int ldx, __global int *XQ, int
     loom_quantize32(lo, hi, XQ + ((size_t)t * RT_NB + b) * RT_XQ, RT_X16);
 }
 #endif
+
+/* QX_TAIL (a matmul or matmul_cat on these tiles): the next projection's
+ * quantize_x folded into this launch, done by its last work-group. Each group
+ * adds one to *done once its tiles are stored; the one that finds every other
+ * group counted quantizes Y's T rows as the consumer's quantize_x would and
+ * sets *done back to 0 for the next launch (a state that starts at zero). The
+ * add is a locked instruction, a full fence on x86, where Intel's runtime (the
+ * only one INT8_DOT runs on) puts every group: the others' stores are visible
+ * to the last one. QX_TAIL 1: the rows RMS-normed first (QX_NORM's sums in its
+ * order, so the same bits), norm_w and eps; 2: silu(gate) up of gate | up rows
+ * (QX_GLU's). QX_K: the consumer's K (Y's row is QX_K wide, 2 QX_K for 2);
+ * QX_X16: its digits' layout. Decode saves the quantize_x launch, ~15 us on a
+ * 2-core host, three a layer; the tail's few microseconds on one core are less. */
+#ifdef QX_TAIL
+#define QX_NB (QX_K / LOOM_QK)
+__attribute__((always_inline)) inline void qx_tail(const __global float *Y, int ldy, int T, __global int *XQ,
+                                                  const __global float *norm_w, float eps,
+                                                  volatile __global int *done, __local float *part, __local int *last)
+{
+    const int lid = get_local_id(0);
+    barrier(CLK_GLOBAL_MEM_FENCE);                /* this group's stores are done */
+    if (lid == 0)
+        *last = atomic_inc(done) == (int)(get_num_groups(0) * get_num_groups(1)) - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!*last)
+        return;
+    for (int t = 0; t < T; t++) {
+        const __global float *y = Y + (size_t)t * ldy;
+#if QX_TAIL == 1
+        for (int b = lid; b < QX_NB; b += WG) {
+            const float16 lo = vload16(0, y + b * LOOM_QK), hi = vload16(1, y + b * LOOM_QK);
+            part[b] = loom_hsum16(fma(hi, hi, lo * lo));
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        float total = 0.0f;
+        for (int i = 0; i < QX_NB; i++)
+            total += part[i];
+        const float inv = rsqrt(total / (float)QX_K + eps);
+#endif
+        for (int b = lid; b < QX_NB; b += WG) {
+            float16 lo = vload16(0, y + b * LOOM_QK), hi = vload16(1, y + b * LOOM_QK);
+#if QX_TAIL == 1
+            lo = lo * inv * vload16(0, norm_w + b * LOOM_QK);
+            hi = hi * inv * vload16(1, norm_w + b * LOOM_QK);
+#else
+            lo = rt_glu16(lo, vload16(0, y + QX_K + b * LOOM_QK));
+            hi = rt_glu16(hi, vload16(1, y + QX_K + b * LOOM_QK));
+#endif
+            loom_quantize32(lo, hi, XQ + ((size_t)t * QX_NB + b) * RT_XQ, QX_X16);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);             /* part is read before the next row writes it */
+    }
+    if (lid == 0)
+        atomic_xchg(done, 0);
+}
+#endif
 #endif /* INT8_DOT */
 
 #else
@@ -1460,10 +1527,29 @@ __attribute__((always_inline)) inline void mm_rows(
 #define MM_LOCALS __local float xl[K + WG] __attribute__((aligned(64)));
 #define MM_LOCAL_ARGS , xl
 #define MM_EXIT_PAST_N
+#elif defined(QX_TAIL)
+/* every work-item reaches the tail's barriers (items past N store nothing) */
+#define MM_LOCALS __local float qx_part[QX_NB]; __local int qx_last;
+#define MM_LOCAL_ARGS
+#define MM_EXIT_PAST_N
 #else
 #define MM_LOCALS
 #define MM_LOCAL_ARGS
 #define MM_EXIT_PAST_N if (n0 >= N) return;
+#endif
+#ifdef QX_TAIL
+#if QX_TAIL == 1
+#define TAIL_PARAMS , __global int *XQ, const __global float *norm_w, float eps, volatile __global int *done
+#define QX_TAIL_RUN(Yt) qx_tail(Yt, ldy, T, XQ, norm_w, eps, done, qx_part, &qx_last);
+#else
+#define TAIL_PARAMS , __global int *XQ, volatile __global int *done
+#define QX_TAIL_RUN(Yt) qx_tail(Yt, ldy, T, XQ, 0, 0.0f, done, qx_part, &qx_last);
+#endif
+#define MM_IF_ROWS if (n0 < N)
+#else
+#define TAIL_PARAMS
+#define QX_TAIL_RUN(Yt)
+#define MM_IF_ROWS
 #endif
 
 #ifndef N0
@@ -1472,12 +1558,14 @@ void matmul(const __global float *X, int x_off, int ldx,
             const __global WTYPE *W,
             const __global float *bias,
             __global float *Y, int y_off, int ldy,
-            int T NORM_PARAMS)
+            int T NORM_PARAMS TAIL_PARAMS)
 {
     const int n0 = get_global_id(0) * RPI;
     MM_LOCALS
     MM_EXIT_PAST_N
-    mm_rows(X + x_off, ldx, W, bias, Y + y_off, ldy, n0, N, T NORM_PASS MM_LOCAL_ARGS);
+    MM_IF_ROWS
+        mm_rows(X + x_off, ldx, W, bias, Y + y_off, ldy, n0, N, T NORM_PASS MM_LOCAL_ARGS);
+    QX_TAIL_RUN(Y + y_off)
 }
 #else
 /* matmul_cat: W is [W0; W1; W2] (N0, N1 and N - N0 - N1 rows), each read where
@@ -1495,7 +1583,7 @@ void matmul_cat(const __global float *X, int x_off, int ldx,
                 const __global WTYPE *W0, const __global WTYPE *W1, const __global WTYPE *W2,
                 const __global float *bias0, const __global float *bias1, const __global float *bias2,
                 __global float *Y, int y_off, int ldy,
-                int T NORM_PARAMS)
+                int T NORM_PARAMS TAIL_PARAMS)
 {
     int n0 = get_global_id(0) * RPI;
     MM_LOCALS
@@ -1508,7 +1596,9 @@ void matmul_cat(const __global float *X, int x_off, int ldx,
     } else if (n0 >= N0) {
         W = W1; bias = bias1; first = N0; nr = N1;
     }
-    mm_rows(X + x_off, ldx, W, bias, Y + y_off + first, ldy, n0 - first, nr, T NORM_PASS MM_LOCAL_ARGS);
+    MM_IF_ROWS
+        mm_rows(X + x_off, ldx, W, bias, Y + y_off + first, ldy, n0 - first, nr, T NORM_PASS MM_LOCAL_ARGS);
+    QX_TAIL_RUN(Y + y_off)
 }
 #endif
 

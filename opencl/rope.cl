@@ -51,20 +51,10 @@
 #error "rope.cl: ROPE_DIMS must be even and <= HEAD_DIM"
 #endif
 
-/* pair i's cosine and sine at position p (c through *c) */
-inline float rope_angle(int i, int p, float theta, float freq_scale, float *c)
-{
-    const float inv_freq = pow(theta, -2.0f * (float)i / (float)ROPE_DIMS);
-    return sincos((float)p * freq_scale * inv_freq, c);
-}
-
-#ifdef ROPE_NEOX
-#define ROPE_IA(i) (i)
-#define ROPE_IB(i) ((i) + ROPE_DIMS / 2)
-#else
-#define ROPE_IA(i) (2 * (i))
-#define ROPE_IB(i) (2 * (i) + 1)
-#endif
+/* pair i's cosine and sine at position p (c through *c): common.cl's */
+#define rope_angle(i, p, theta, freq_scale, c) loom_rope_angle(i, ROPE_DIMS, p, theta, freq_scale, c)
+#define ROPE_IA(i) LOOM_ROPE_IA(i, ROPE_DIMS)
+#define ROPE_IB(i) LOOM_ROPE_IB(i, ROPE_DIMS)
 
 __kernel void rope(__global float *X, int x_off, int ldx, const __global int *pos,
                    int T, float theta, float freq_scale)

@@ -884,6 +884,71 @@ def test_quantize_x_folds_in_the_norm_or_the_gate(env):
         assert_digit_sums(q)
 
 
+@pytest.mark.parametrize("x16", [0, 1])
+@pytest.mark.parametrize("t", [1, 3])
+def test_matmul_qx_tail_writes_the_next_inputs_as_quantize_x_would(env, t, x16):
+    """QX_TAIL: the launch's last work-group quantizes its output rows for the next
+    projection. 1: a residual projection's rows RMS-normed (quantize_x's QX_NORM on that
+    output), 2: gate | up rows as silu(gate) up (QX_GLU): the digits to the bit, the
+    projection's own outputs the plain kernel's bits, and the count of finished groups
+    back at 0 after each launch (a second launch finds it so). Several work-groups, the
+    last one partly past N (items there store nothing but reach the tail's barriers)."""
+    needs_int8_dot(env)
+    r = rng(98)
+    k, eps = 896, 1e-6
+    q = quantize_rows(env, "Q4_0", r.standard_normal((t, k)).astype(np.float32))
+    quant = dict(K=k, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=8, INT8_DOT=1, WEIGHT_Q4_0=True, DOT16=x16)
+    for tail, n in ((1, 416), (2, 2 * 416)):
+        raw, _ = make_weights("Q4_0", random_weights(99 + tail, n, k))
+        wb = env.buf(tiled16(raw, n, "Q4_0"))
+        y0 = r.standard_normal((t, n)).astype(np.float32) * 3
+        g = r.uniform(0.5, 1.5, n).astype(np.float32)
+        qk = n if tail == 1 else n // 2
+        grid = (-(-(n // 16) // 8) * 8, 1)
+
+        def launch(prg, yb, tail_args):
+            if tail == 1:
+                env.run(prg.matmul, grid, (8, 1), env.buf(q), i32(0), i32(k), wb, None, yb, i32(0), i32(n), i32(t),
+                        *tail_args)
+            else:       # gate | up: one matrix's halves as W0 and W1
+                half = tiled16(raw, n, "Q4_0")
+                w0, w1 = env.buf(half[:len(half) // 2]), env.buf(half[len(half) // 2:])
+                env.run(prg.matmul_cat, grid, (8, 1), env.buf(q), i32(0), i32(k), w0, w1, w1, None, None, None,
+                        yb, i32(0), i32(n), i32(t), *tail_args)
+
+        extra = dict(ACCUMULATE=tail == 1, **({} if tail == 1 else dict(N0=n // 2)))
+        plain = env.buf(y0)
+        launch(env.build("matmul", N=n, **quant, **extra), plain, ())
+        fused = env.build("matmul", N=n, **quant, **extra, QX_TAIL=tail, QX_K=qk, QX_X16=x16)
+        done = env.buf(np.zeros(1, np.int32))
+        for _ in range(2):
+            yb = env.buf(y0)
+            xqb = env.buf(np.full((t, qk // 32, 20), -1, np.int32))
+            launch(fused, yb, (xqb, env.buf(g), f32(eps), done) if tail == 1 else (xqb, done))
+            y = env.read(yb, (t, n))
+            assert np.array_equal(y.view(np.uint32), env.read(plain, (t, n)).view(np.uint32)), tail
+            assert env.read(done, (1,), np.int32)[0] == 0
+            apart = env.build("matmul", **dict(quant, K=qk), N=16, **{"QX_NORM" if tail == 1 else "QX_GLU": True})
+            want = env.buf(np.full((t, qk // 32, 20), -1, np.int32))
+            if tail == 1:
+                env.run(apart.quantize_x, (qk // 32, t), (qk // 32, 1), env.buf(y), i32(n), want, i32(t),
+                        env.buf(g), f32(eps))
+            else:
+                env.run(apart.quantize_x, (qk // 32, t), None, env.buf(y), i32(n), want, i32(t))
+            got = env.read(xqb, (t, qk // 32, 20), np.int32)
+            assert np.array_equal(got, env.read(want, (t, qk // 32, 20), np.int32)), tail
+
+
+@pytest.mark.parametrize("macros, message", [
+    (dict(QX_TAIL=1, QX_K=32), "QX_TAIL needs INT8_DOT"),
+    (dict(QX_TAIL=1, QX_K=16, INT8_DOT=1), "QX_TAIL quantizes Y's N columns"),
+    (dict(QX_TAIL=2, QX_K=32, INT8_DOT=1), "QX_TAIL quantizes Y's N columns")])
+def test_matmul_qx_tail_needs_int8_dot_and_whole_blocks(env, macros, message):
+    with pytest.raises(cl.RuntimeError) as e:
+        env.build("matmul", K=64, N=32, WEIGHT_Q4_0=True, ROW_TILE=16, QX_X16=0, **macros)
+    assert message in str(e.value)
+
+
 def test_quantize_x_holds_each_value_in_two_int8_digits(env):
     """Per block of 32: s = max|x| / 127, h = round(x / s), l = round((x - h s) 256 / s) in
     [-127, 127], so |x - s (h + l / 256)| <= s / 512; the digits' sums beside them, and the
@@ -1471,6 +1536,53 @@ def test_kv_store_and_attention(env, case):
     env.run(attn_x16, (heads, t), (heads // kvh, 1), env.buf(q), i32(5), i32(width), kb, vb,
             i32(layer_off), env.buf(q_pos), env.buf(q_rows), table_b, qb, i32(0), i32(0), i32(t), f32(scale))
     assert np.array_equal(env.read(qb, (t, heads * dh // 32, 20), np.int32), x16_from_digits(blocks))
+
+
+@pytest.mark.parametrize("neox,kv_f16", [(False, False), (True, False), (True, True)])
+def test_attention_rope_in_is_rope_store_then_attention(env, neox, kv_f16):
+    """ROPE_IN (decode: each token a row of its own): one launch leaves the paged cache and
+    the outputs (floats, and QUANT_OUT's blocks) with the bits rope_store then attention
+    leave, q | k | v rows as projected in; a token at a position outside the page table
+    or on an unmapped page stores nothing, as rope_store, and other entries stay."""
+    nq, nkv, dh, page, max_pages, n_pages = 14, 2, 64, 16, 4, 24
+    kv_row, width = nkv * dh, (nq + 2 * nkv) * dh + 3
+    r = rng(230 + neox + 2 * kv_f16)
+    store_t = np.float16 if kv_f16 else np.float32
+    pool = r.standard_normal(2 * n_pages * page * kv_row).astype(store_t)    # every row's history
+    layer_off = n_pages * page * kv_row
+    pos = np.array([37, 5, 0, -1, 40], np.int32)                  # -1: outside; 40: row 4's page 2 unmapped
+    row_of = np.arange(5, dtype=np.int32)
+    table = r.permutation(n_pages)[:5 * max_pages].reshape(5, max_pages).astype(np.int32)    # no page shared
+    table[4, 2] = -1
+    t = len(pos)
+    qkv = r.standard_normal((t, width)).astype(np.float32)
+    theta, fs, scale = 1e6, 1.0, 1.0 / np.sqrt(dh)
+    flags = dict(ROPE_NEOX=neox, ROPE_NORMAL=not neox)
+    cache = dict(PAGE_SIZE=page, N_KV_HEADS=nkv, HEAD_DIM=dh, MAX_PAGES=max_pages, KV_F16=kv_f16)
+    tb, pb, rb = env.buf(table), env.buf(pos), env.buf(row_of)
+    for quant in (False, True):
+        out = (np.full((t, nq * dh // 32, 20), -1, np.int32) if quant else np.full((t, nq * dh), np.nan, np.float32))
+        x1, k1, v1, o1 = env.buf(qkv), env.buf(pool), env.buf(pool), env.buf(out)
+        rope_store = env.build("rope", N_HEADS=nq + nkv, **cache, **flags).rope_store
+        env.run(rope_store, (dh // 2, t), None, x1, i32(0), i32(width), pb, i32(t), f32(theta), f32(fs),
+                i32((nq + nkv) * dh), k1, v1, i32(layer_off), rb, tb)
+        attn = env.build("attention", N_HEADS=nq, QUANT_OUT=quant, **cache).attention
+        env.run(attn, (nq, t), (nq // nkv, 1), x1, i32(0), i32(width), k1, v1, i32(layer_off), pb, rb, tb,
+                o1, i32(0), i32(nq * dh), i32(t), f32(scale))
+        x2, k2, v2, o2 = env.buf(qkv), env.buf(pool), env.buf(pool), env.buf(out)
+        fused = env.build("attention", N_HEADS=nq, QUANT_OUT=quant, ROPE_IN=True, **cache, **flags).attention
+        env.run(fused, (nq, t), (nq // nkv, 1), x2, i32(0), i32(width), k2, v2, i32(layer_off), pb, rb, tb,
+                o2, i32(0), i32(nq * dh), i32(t), f32(scale), f32(theta), f32(fs), i32(nq * dh),
+                i32((nq + nkv) * dh))
+        dtype = np.int32 if quant else np.float32
+        assert np.array_equal(env.read(o2, out.shape, dtype).view(np.uint32), env.read(o1, out.shape, dtype).view(np.uint32))
+        got_k, want_k = env.read(k2, pool.shape, store_t), env.read(k1, pool.shape, store_t)
+        got_v, want_v = env.read(v2, pool.shape, store_t), env.read(v1, pool.shape, store_t)
+        assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
+        assert (got_v != pool).sum() <= 3 * kv_row and (got_v != pool).sum() > 2 * kv_row   # three tokens stored
+        assert np.array_equal(env.read(x2, qkv.shape), qkv)                                # its input as projected
+        if not quant:
+            assert (env.read(o2, out.shape)[3] == 0).all()                              # position -1: zeros
 
 
 def test_attention_is_stable_for_large_scores(env):
