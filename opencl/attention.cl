@@ -27,8 +27,8 @@
  *   them as Q8_0 tiles read them (common.cl loom_quantize32's x16).
  *   ROPE_IN (ROPE_NEOX or not, as rope.cl; every token of the launch in a row of
  *   its own, as in decode): Q is the q | k | v rows as projected, k and v heads at
- *   columns k_off and v_off (three more arguments after scale: theta, freq_scale,
- *   k_off, v_off: four); each work-group first rotates its kv head's key and
+ *   columns k_off and v_off (four more arguments after scale: theta, freq_scale,
+ *   k_off, v_off); each work-group first rotates its kv head's key and
  *   stores it and the value at pos[t] as rope.cl's rope_store would, and each
  *   query head is rotated as it is read: one launch where decode ran two. Needs
  *   local = (N_HEADS / N_KV_HEADS, 1) (a group, one kv head).

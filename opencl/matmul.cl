@@ -1059,6 +1059,21 @@ __attribute__((always_inline)) inline void mm_tile_dot(
  * local size (K / 32, 1), whose items add their blocks' squares in local memory
  * in one order); QX_GLU, X is gate | up rows ([T, 2K], ldx = 2K) and the values
  * are silu(gate) up (elementwise.cl's silu_mul). */
+/* A block's sum of squares, and 1 / rms of a row from its nb blocks' sums added
+ * in block order: QX_NORM and QX_TAIL share them, so the same bits. */
+inline float rt_squares32(const float16 lo, const float16 hi)
+{
+    return loom_hsum16(fma(hi, hi, lo * lo));
+}
+
+inline float rt_inv_rms(const __local float *part, int nb, int k, float eps)
+{
+    float total = 0.0f;
+    for (int i = 0; i < nb; i++)
+        total += part[i];
+    return rsqrt(total / (float)k + eps);
+}
+
 #ifdef QX_NORM
 __kernel __attribute__((reqd_work_group_size(RT_NB, 1, 1)))
 void quantize_x(const __global float *X, int ldx, __global int *XQ, int T, const __global float *norm_w, float eps)
@@ -1067,12 +1082,9 @@ void quantize_x(const __global float *X, int ldx, __global int *XQ, int T, const
     const int b = get_global_id(0), t = get_global_id(1);
     const __global float *x = X + (size_t)t * ldx + b * LOOM_QK;
     float16 lo = vload16(0, x), hi = vload16(1, x);
-    part[b] = loom_hsum16(fma(hi, hi, lo * lo));
+    part[b] = rt_squares32(lo, hi);
     barrier(CLK_LOCAL_MEM_FENCE);
-    float total = 0.0f;
-    for (int i = 0; i < RT_NB; i++)
-        total += part[i];
-    const float inv = rsqrt(total / (float)K + eps);
+    const float inv = rt_inv_rms(part, RT_NB, K, eps);
     lo = lo * inv * vload16(0, norm_w + b * LOOM_QK);
     hi = hi * inv * vload16(1, norm_w + b * LOOM_QK);
     if (t < T)
@@ -1122,15 +1134,10 @@ __attribute__((always_inline)) inline void qx_tail(const __global float *Y, int 
     for (int t = 0; t < T; t++) {
         const __global float *y = Y + (size_t)t * ldy;
 #if QX_TAIL == 1
-        for (int b = lid; b < QX_NB; b += WG) {
-            const float16 lo = vload16(0, y + b * LOOM_QK), hi = vload16(1, y + b * LOOM_QK);
-            part[b] = loom_hsum16(fma(hi, hi, lo * lo));
-        }
+        for (int b = lid; b < QX_NB; b += WG)
+            part[b] = rt_squares32(vload16(0, y + b * LOOM_QK), vload16(1, y + b * LOOM_QK));
         barrier(CLK_LOCAL_MEM_FENCE);
-        float total = 0.0f;
-        for (int i = 0; i < QX_NB; i++)
-            total += part[i];
-        const float inv = rsqrt(total / (float)QX_K + eps);
+        const float inv = rt_inv_rms(part, QX_NB, QX_K, eps);
 #endif
         for (int b = lid; b < QX_NB; b += WG) {
             float16 lo = vload16(0, y + b * LOOM_QK), hi = vload16(1, y + b * LOOM_QK);
