@@ -480,6 +480,19 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #ifndef RT_TILE_SIZE
 #define RT_TILE_SIZE ((size_t)(K / LOOM_QK) * RT_BYTES)   /* bytes a tile */
 #endif
+/* One token a tile (decode) streams the tile, the work-item's own 8-28 KB, and
+ * does little with each line: a prefetch of the block RT_AHEAD blocks on
+ * (prefetcht0 on Intel's runtime) keeps the loads ahead of the sums, where the
+ * hardware's stream prefetcher, one of two cores' many streams, fell behind.
+ * Inside the tile only: a prefetch past a buffer is undefined. */
+#ifndef RT_AHEAD
+#define RT_AHEAD 4
+#endif
+#if TPI == 1
+#define RT_PREFETCH(p, bytes, left) do { if ((left) > RT_AHEAD) prefetch((p) + RT_AHEAD * (bytes), (bytes)); } while (0)
+#else
+#define RT_PREFETCH(p, bytes, left) do { } while (0)
+#endif
 
 /* Token j's 16 sums of a tile to Y (rows >= nr are padding, not stored). */
 __attribute__((always_inline)) inline void rt_store(
@@ -548,6 +561,7 @@ __attribute__((always_inline)) inline float16 NAME(const AS float *xr, const __g
 {                                                                                  \
     float16 acc = (float16)(0.0f);                                                 \
     for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {                       \
+        RT_PREFETCH(p, RT_BYTES, (K - kb) / LOOM_QK);                              \
         const float16 d = vload_half16(0, (const __global half *)p);              \
         RT_MIN_DECL(p)                                                             \
         RT_HIGH_DECL(p)                                                            \
@@ -579,24 +593,31 @@ RT_DEF_SUM1(rt_sum1, __global)
 RT_DEF_SUM1(rt_sum1_local, __local)
 /* One token's inputs normed by the work-group together (every work-item calls it):
  * xl[0 .. K) = x g (rms_norm.cl's weight, element by element), and the returned
- * 1 / rms(x) scales the tile's sums once. The group's partial sums of squares
- * meet in xl[K ..] and are added in one order, so every work-item has the same
- * scale. A group costs ~K/16 vector steps for all its tiles. */
+ * 1 / rms(x) scales the tile's sums once. The sum of squares is RT_NORM_PARTS
+ * partial sums (part i: the 16-value chunks i, i + 8, ...), taken by the group's
+ * items in turn, meeting in xl[K ..] and added in one order: every work-item
+ * has the same scale, and a group of 4 the bits of a group of 8. A group costs
+ * ~K/16 vector steps for all its tiles. */
+#define RT_NORM_PARTS 8
+#if WG > RT_NORM_PARTS
+#error "matmul.cl: NORM_IN needs WG <= 8"
+#endif
 __attribute__((always_inline)) inline float rt_norm(const __global float *x, const __global float *g, float eps,
                                                     __local float *xl)
 {
-    const int lid = get_local_id(0);
     barrier(CLK_LOCAL_MEM_FENCE);                 /* the previous token's reads are done */
-    float16 ss = (float16)(0.0f);
-    for (int k = lid * 16; k < K; k += 16 * WG) {
-        const float16 v = vload16(0, x + k);
-        ss = fma(v, v, ss);
-        vstore16(v * vload16(0, g + k), 0, xl + k);
+    for (int i = get_local_id(0); i < RT_NORM_PARTS; i += WG) {
+        float16 ss = (float16)(0.0f);
+        for (int k = i * 16; k < K; k += 16 * RT_NORM_PARTS) {
+            const float16 v = vload16(0, x + k);
+            ss = fma(v, v, ss);
+            vstore16(v * vload16(0, g + k), 0, xl + k);
+        }
+        xl[K + i] = loom_hsum16(ss);
     }
-    xl[K + lid] = loom_hsum16(ss);
     barrier(CLK_LOCAL_MEM_FENCE);
     float total = 0.0f;
-    for (int i = 0; i < WG; i++)
+    for (int i = 0; i < RT_NORM_PARTS; i++)
         total += xl[K + i];
     return rsqrt(total / (float)K + eps);
 }
@@ -774,6 +795,16 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
     u[2] = as_short16(((w) >> 4) & W16_M), u[3] = as_short16(((w) >> 12) & W16_M))
 #define W16_X(j, i) (2 * (j) + 8 * ((i) / 2) + (i) % 2)
 #define W16_Z 8
+#if TPI == 1
+/* One token (decode) is bound by the unpacking: an int16 lane [b0 b1] holds the
+ * nibbles of elements 4j | 4j + 16 | 4j + 1 | 4j + 17 at bits 0, 4, 8, 12, so one
+ * op each leaves them in place: three masks give e, 16 e and 256 e, a logical
+ * shift by 12 the top one (4 ops a word-half where 7 were). The x16 and x256
+ * products sum apart (|sum| <= 8 * 3840 * 32640 < 2^31 a block) and fold once a
+ * block by exact shifts: the same integers, so the same bits. Wider tiles keep
+ * the masks: three sums a token would spill. */
+#define W16_INPLACE 1
+#endif
 #endif
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
@@ -788,11 +819,31 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         acc[t] = (float16)(0.0f);
     }
     for (int kb = 0; kb < RT_NB; kb++, p += RT_BYTES) {
+        RT_PREFETCH(p, RT_BYTES, RT_NB - kb);
         const float16 d = vload_half16(0, (const __global half *)p);
         int8 s[TPI][2];                            /* rows 0-7, 8-15 */
         #pragma unroll
         for (int t = 0; t < TPI; t++)
             s[t][0] = s[t][1] = (int8)(-W16_Z * (256 * xq[t][kb * RT_XQ + 17] + xq[t][kb * RT_XQ + 18]));
+#ifdef W16_INPLACE
+        const __global int *x = xq[0] + kb * RT_XQ;
+        int8 s16[2] = {(int8)(0), (int8)(0)}, s256[2] = {(int8)(0), (int8)(0)};
+        #pragma unroll 2
+        for (int j = 0; j < W16_WORDS; j++) {
+            const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
+            #pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint8 v = h ? w.hi : w.lo;
+                s[0][h] += rt_maddwd(as_short16(v & 0x000F000Fu), as_short16((int8)(x[2 * j])))
+                         + rt_maddwd(as_short16(as_ushort16(v) >> (ushort)12), as_short16((int8)(x[2 * j + 9])));
+                s16[h] += rt_maddwd(as_short16(v & 0x00F000F0u), as_short16((int8)(x[2 * j + 8])));
+                s256[h] += rt_maddwd(as_short16(v & 0x0F000F00u), as_short16((int8)(x[2 * j + 1])));
+            }
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; h++)
+            s[0][h] += (s16[h] >> 4) + (s256[h] >> 8);
+#else
         #pragma unroll 2
         for (int j = 0; j < W16_WORDS; j++) {
             const uint16 w = vload16(j, (const __global uint *)(p + RT_QS));
@@ -812,6 +863,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
                 }
             }
         }
+#endif
         #pragma unroll
         for (int t = 0; t < TPI; t++) {
             if (t < nt) {
@@ -976,6 +1028,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         acc[t] = (float16)(0.0f);
     }
     for (int kb = 0; kb < RT_NB; kb++, p += RT_BYTES) {
+        RT_PREFETCH(p, RT_BYTES, RT_NB - kb);
         const float16 d = vload_half16(0, (const __global half *)p);
         RT_MIN_DECL(p)
         RT_HIGH_DECL(p)
@@ -1531,7 +1584,7 @@ __attribute__((always_inline)) inline void mm_rows(
 #define MM_EXIT_PAST_N
 #elif defined(NORM_IN)
 /* every work-item norms its share of the token (items past N store nothing) */
-#define MM_LOCALS __local float xl[K + WG] __attribute__((aligned(64)));
+#define MM_LOCALS __local float xl[K + RT_NORM_PARTS] __attribute__((aligned(64)));
 #define MM_LOCAL_ARGS , xl
 #define MM_EXIT_PAST_N
 #elif defined(QX_TAIL)

@@ -713,6 +713,28 @@ def rms_normed(x, g, eps):
     return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * g
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "F16"])
+def test_matmul_norm_in_groups_of_4_give_the_bits_of_groups_of_8(env, kind):
+    """Decode's small projections run work-groups of 4 tiles (both cores busy): NORM_IN's
+    sum of squares is the same 8 partial sums in the same order, so the same bits."""
+    n, k = 100, 896
+    raw, _ = make_weights(kind, random_weights(83, n, k))
+    x = (rng(84).standard_normal((1, k)) * 3 + 0.5).astype(np.float32)
+    g = rng(85).uniform(0.5, 1.5, k).astype(np.float32)
+    got = {}
+    for wg in (4, 8):
+        prg = env.build("matmul", K=k, N=n, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=wg, NORM_IN=True,
+                        **{"WEIGHT_" + kind: True})
+        yb = env.buf(np.zeros((1, n), np.float32))
+        env.run(prg.matmul, (-(-n // (16 * wg)) * wg, 1), (wg, 1), env.buf(x), i32(0), i32(k),
+                env.buf(tiled16(raw, n, kind)), None, yb, i32(0), i32(n), i32(1), env.buf(g), f32(1e-6))
+        got[wg] = env.read(yb, (1, n))
+    assert np.array_equal(got[4].view(np.uint32), got[8].view(np.uint32))
+    with pytest.raises(Exception) as e:
+        env.build("matmul", K=k, N=n, ROW_TILE=16, TOKENS_PER_ITEM=1, WG=16, NORM_IN=True, WEIGHT_F16=True)
+    assert "NORM_IN needs WG <= 8" in str(e.value)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1", "F16"])
 @pytest.mark.parametrize("n, k", [(37, 896), (16, 96)])
 def test_matmul_norm_in_tiles_meet_rms_norm_then_numpy(env, kind, n, k):
@@ -1165,9 +1187,10 @@ def test_matmul_dot16_q4_0_tiles_give_the_byte_tiles_bits(env):
     x[:, 31::32] = 1.004                              # x / s = 126.49: h = 126, l = 126
     x[1::2] *= -1
     q = quantize_rows(env, "Q4_0", x)
-    got = run_row_tiles(env, "Q4_0", n, k, x16_from_digits(q), raw, 2, extra=dict(INT8_DOT=1, DOT16=1))
     d = blocks[:, :2].copy().view(np.float16).astype(np.float64).reshape(n, -1)
-    assert_close(got, dequantized_inputs(q) @ np.repeat(7 * d, 32, axis=1).T, 2e-6)
+    for tpi in (1, 2):                                # 1: the nibbles in place, sums of 16 e and 256 e apart
+        got = run_row_tiles(env, "Q4_0", n, k, x16_from_digits(q), raw, tpi, extra=dict(INT8_DOT=1, DOT16=1))
+        assert_close(got, dequantized_inputs(q) @ np.repeat(7 * d, 32, axis=1).T, 2e-6)
 
 
 def test_matmul_int8_dot_q8_0_tiles_hold_the_largest_sums(env):
