@@ -101,6 +101,7 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
 {
     const int h = get_global_id(0), t = get_global_id(1);
 #ifdef ROPE_IN
+    __local float rope_c[HEAD_DIM / 2], rope_s[HEAD_DIM / 2];
     if (t >= T)     /* whole groups only: all of one reach the barrier */
         return;
 #else
@@ -120,16 +121,23 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
     float8 qv[HD8], av[HD8];
     const __global float *q = Q + q_off + (size_t)t * ldq + h * HEAD_DIM;
 #ifdef ROPE_IN
-    /* this group's kv head: the key rotated, it and the value stored at pos[t]
-     * (rope_store's arithmetic and skips), visible to the group after the barrier */
+    /* The angles of pos[t], once a group (its items share them out): every head
+     * of every layer turns by the same ones, and a sincos each was ~5 % of a Q4_0
+     * decode step. Then this group's kv head: the key rotated, it and the value
+     * stored at pos[t] (rope_store's arithmetic and skips), the angles and the
+     * stores visible to the group after the barrier. */
+    for (int i = get_local_id(0); i < HEAD_DIM / 2; i += GROUP) {
+        float c;
+        rope_s[i] = loom_rope_angle(i, HEAD_DIM, pos[t], theta, freq_scale, &c);
+        rope_c[i] = c;
+    }
     if (last >= 0 && pt[last / PAGE_SIZE] >= 0) {
         const size_t dst = (size_t)layer_off + ((size_t)pt[last / PAGE_SIZE] * PAGE_SIZE + last % PAGE_SIZE) * KV_ROW
                            + g * HEAD_DIM;
         const __global float *k = Q + q_off + (size_t)t * ldq + k_off + g * HEAD_DIM;
         const __global float *v = Q + q_off + (size_t)t * ldq + v_off + g * HEAD_DIM;
-        for (int i = get_local_id(0); i < HEAD_DIM / 2; i += GROUP) {
-            float c;
-            const float sn = loom_rope_angle(i, HEAD_DIM, last, theta, freq_scale, &c);
+        for (int i = get_local_id(0); i < HEAD_DIM / 2; i += GROUP) {     /* the angles this item wrote */
+            const float c = rope_c[i], sn = rope_s[i];
             const int ia = LOOM_ROPE_IA(i, HEAD_DIM), ib = LOOM_ROPE_IB(i, HEAD_DIM);
             const float a = k[ia], b = k[ib];
             KV_PUT(a * c - b * sn, Kc + dst + ia);
@@ -138,13 +146,12 @@ __kernel void attention(const __global float *Q, int q_off, int ldq,
             KV_PUT(v[ib], Vc + dst + ib);
         }
     }
-    barrier(CLK_GLOBAL_MEM_FENCE);
+    barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     float qr[HEAD_DIM];
     for (int d = 0; d < HEAD_DIM; d++)
         qr[d] = q[d];
     for (int i = 0; i < HEAD_DIM / 2; i++) {
-        float c;
-        const float sn = loom_rope_angle(i, HEAD_DIM, pos[t], theta, freq_scale, &c);
+        const float c = rope_c[i], sn = rope_s[i];
         const int ia = LOOM_ROPE_IA(i, HEAD_DIM), ib = LOOM_ROPE_IB(i, HEAD_DIM);
         const float a = qr[ia], b = qr[ib];
         qr[ia] = a * c - b * sn;
