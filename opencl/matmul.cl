@@ -60,8 +60,9 @@
  *                        input row is RMS-normed inside the kernel, as rms_norm.cl
  *                        with its weight would: x / sqrt(mean(x^2) + eps) * g, for
  *                        g = norm_w[K] and eps, two more arguments after T. The
- *                        work-group norms the row together into local memory (K +
- *                        WG floats) and each tile scales its 16 sums by 1 / rms
+ *                        work-group (WG <= 8) norms the row together into local
+ *                        memory (K + 8 floats: 8 partial sums of squares whatever
+ *                        WG, so the same bits) and each tile scales its 16 sums by 1 / rms
  *                        once, so results differ from rms_norm then matmul by
  *                        rounding (~1e-6 of the output scale). Decode's launch of
  *                        rms_norm (one work-item a token, the other core idle) is gone.
@@ -70,6 +71,8 @@
  *                        RMS-normed (XQ, norm_w, eps, done after T), 2 silu(gate) up
  *                        of gate | up rows (XQ, done); QX_K, QX_X16 the consumer's K
  *                        and layout; done an int that is 0 between launches.
+ *   RT_AHEAD       (4)   (ROW_TILE, TOKENS_PER_ITEM 1, block types) prefetch the
+ *                        block this many blocks ahead of the one summed.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
