@@ -71,8 +71,8 @@
  *                        RMS-normed (XQ, norm_w, eps, done after T), 2 silu(gate) up
  *                        of gate | up rows (XQ, done); QX_K, QX_X16 the consumer's K
  *                        and layout; done an int that is 0 between launches.
- *   RT_AHEAD       (4)   (ROW_TILE, TOKENS_PER_ITEM 1, block types) prefetch the
- *                        block this many blocks ahead of the one summed.
+ *   RT_AHEAD       (4)   (INT8_DOT, TOKENS_PER_ITEM 1, T = 1) prefetch the block
+ *                        this many blocks ahead of the one summed.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
@@ -483,18 +483,21 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #ifndef RT_TILE_SIZE
 #define RT_TILE_SIZE ((size_t)(K / LOOM_QK) * RT_BYTES)   /* bytes a tile */
 #endif
-/* One token a tile (decode) streams the tile, the work-item's own 8-28 KB, and
- * does little with each line: a prefetch of the block RT_AHEAD blocks on
- * (prefetcht0 on Intel's runtime) keeps the loads ahead of the sums, where the
- * hardware's stream prefetcher, one of two cores' many streams, fell behind.
- * Inside the tile only: a prefetch past a buffer is undefined. */
+/* A launch of one token (decode) streams each int8 tile once, the work-item's
+ * own 8-28 KB: a prefetch of the block RT_AHEAD blocks on (prefetcht0 on
+ * Intel's runtime) keeps the loads ahead of the sums. Zen 3: Q4_0 decode +10 %,
+ * Q8_0 and Q4_1 +6 % (opencl/README.md). Not where a tile is re-read for more
+ * tokens (from cache: Q4_1 prefill lost 4 %), nor on F16's float tiles, which
+ * lost 6-30 % at any distance. Inside the tile only: a prefetch past a buffer
+ * is undefined. */
 #ifndef RT_AHEAD
 #define RT_AHEAD 4
 #endif
 #if TPI == 1
-#define RT_PREFETCH(p, bytes, left) do { if ((left) > RT_AHEAD) prefetch((p) + RT_AHEAD * (bytes), (bytes)); } while (0)
+#define RT_PREFETCH(stream, p, bytes, left) \
+    do { if ((stream) && (left) > RT_AHEAD) prefetch((p) + RT_AHEAD * (bytes), (bytes)); } while (0)
 #else
-#define RT_PREFETCH(p, bytes, left) do { } while (0)
+#define RT_PREFETCH(stream, p, bytes, left) do { } while (0)
 #endif
 
 /* Token j's 16 sums of a tile to Y (rows >= nr are padding, not stored). */
@@ -564,7 +567,6 @@ __attribute__((always_inline)) inline float16 NAME(const AS float *xr, const __g
 {                                                                                  \
     float16 acc = (float16)(0.0f);                                                 \
     for (int kb = 0; kb < K; kb += LOOM_QK, p += RT_BYTES) {                       \
-        RT_PREFETCH(p, RT_BYTES, (K - kb) / LOOM_QK);                              \
         const float16 d = vload_half16(0, (const __global half *)p);              \
         RT_MIN_DECL(p)                                                             \
         RT_HIGH_DECL(p)                                                            \
@@ -811,7 +813,7 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
 #endif
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
-    int n0, const int nr, int t0, const int nt)
+    int n0, const int nr, int t0, const int nt, const int stream)
 {
     const __global uchar *p = W + (size_t)(n0 / 16) * RT_NB * RT_BYTES;
     const __global int *xq[TPI];
@@ -822,7 +824,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         acc[t] = (float16)(0.0f);
     }
     for (int kb = 0; kb < RT_NB; kb++, p += RT_BYTES) {
-        RT_PREFETCH(p, RT_BYTES, RT_NB - kb);
+        RT_PREFETCH(stream, p, RT_BYTES, RT_NB - kb);
         const float16 d = vload_half16(0, (const __global half *)p);
         int8 s[TPI][2];                            /* rows 0-7, 8-15 */
         #pragma unroll
@@ -919,7 +921,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
 
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
-    int n0, const int nr, int t0, const int nt)
+    int n0, const int nr, int t0, const int nt, const int stream)
 {
     const __global uchar *p = W + (size_t)(n0 / 16) * (K / LOOM_QK_K) * RT_BYTES;
     const __global int *xq[TPI];
@@ -1020,7 +1022,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
 /* The tile of mm_tile for nt tokens from t0, X as quantize_x wrote it. */
 __attribute__((always_inline)) inline void mm_tile_dot(
     const __global int *XQ, const __global WTYPE *W, const __global float *bias, __global float *Y, int ldy,
-    int n0, const int nr, int t0, const int nt)
+    int n0, const int nr, int t0, const int nt, const int stream)
 {
     const __global uchar *p = W + (size_t)(n0 / 16) * RT_NB * RT_BYTES;
     const __global int *xq[TPI];
@@ -1031,7 +1033,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         acc[t] = (float16)(0.0f);
     }
     for (int kb = 0; kb < RT_NB; kb++, p += RT_BYTES) {
-        RT_PREFETCH(p, RT_BYTES, RT_NB - kb);
+        RT_PREFETCH(stream, p, RT_BYTES, RT_NB - kb);
         const float16 d = vload_half16(0, (const __global half *)p);
         RT_MIN_DECL(p)
         RT_HIGH_DECL(p)
@@ -1512,7 +1514,7 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
 /* A tail of nt < TPI tokens (cases nt >= TPI are dead and fold away). */
 #define MM_TAIL(nt) case nt: if (nt < TPI) mm_tile(X, ldx, W, bias, Y, ldy, n0, nr, t0, nt); break;
 
-#define MM_TAIL_D(nt) case nt: if (nt < TPI) mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, nt); break;
+#define MM_TAIL_D(nt) case nt: if (nt < TPI) mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, nt, T == 1); break;
 
 #define MM_TAIL_Q(nt) case nt: if (nt < TPI) mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, nr, t0, nt); break;
 
@@ -1558,7 +1560,7 @@ __attribute__((always_inline)) inline void mm_rows(
 #elif defined(RT_DOT)
         const __global int *xq = (const __global int *)X;   /* quantize_x's output */
         if (t0 + TPI <= T) {
-            mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, TPI);
+            mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, TPI, T == 1);     /* T == 1: streamed once */
         } else {
             switch (T - t0) {
             MM_TAIL_D(1) MM_TAIL_D(2) MM_TAIL_D(3) MM_TAIL_D(4) MM_TAIL_D(5) MM_TAIL_D(6) MM_TAIL_D(7)
