@@ -299,10 +299,10 @@ def batched(prepared, compiler, rows, steps, breakdown):
         lo, hi = rows[0], rows[-1]
         print("\n  per kernel, ms per step (each launch waited for; serial sum):")
         print(f"  {'kernel':24} {'R=' + str(lo):>9} {'R=' + str(hi):>9} {'ratio':>6}")
-        keys = sorted(diag[hi], key=lambda k: -diag[hi][k])
+        keys = sorted(set(diag[lo]) | set(diag[hi]), key=lambda k: (-diag[hi].get(k, 0.0), -diag[lo].get(k, 0.0)))
         for k in keys + ["total"]:
             a = sum(diag[lo].values()) if k == "total" else diag[lo].get(k, 0.0)
-            b = sum(diag[hi].values()) if k == "total" else diag[hi][k]
+            b = sum(diag[hi].values()) if k == "total" else diag[hi].get(k, 0.0)
             print(f"  {k:24} {a * 1e3:9.2f} {b * 1e3:9.2f} {b / a if a else 0:5.1f}x")
 
 

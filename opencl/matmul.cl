@@ -71,7 +71,7 @@
  *                        RMS-normed (XQ, norm_w, eps, done after T), 2 silu(gate) up
  *                        of gate | up rows (XQ, done); QX_K, QX_X16 the consumer's K
  *                        and layout; done an int that is 0 between launches.
- *   RT_AHEAD       (4)   (INT8_DOT, TOKENS_PER_ITEM 1, T = 1) prefetch the block
+ *   RT_AHEAD  (AVX2 4, else 0)  (INT8_DOT, TOKENS_PER_ITEM 1, T = 1) prefetch the block
  *                        this many blocks ahead of the one summed.
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
@@ -484,16 +484,21 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #define RT_TILE_SIZE ((size_t)(K / LOOM_QK) * RT_BYTES)   /* bytes a tile */
 #endif
 /* A launch of one token (decode) streams each int8 tile once, the work-item's
- * own 8-28 KB: a prefetch of the block RT_AHEAD blocks on (prefetcht0 on
+ * own 8-28 KB: on AVX2 a prefetch of the block RT_AHEAD blocks on (prefetcht0 on
  * Intel's runtime) keeps the loads ahead of the sums. Zen 3: Q4_0 decode +10 %,
- * Q8_0 and Q4_1 +6 % (opencl/README.md). Not where a tile is re-read for more
- * tokens (from cache: Q4_1 prefill lost 4 %), nor on F16's float tiles, which
- * lost 6-30 % at any distance. Inside the tile only: a prefetch past a buffer
- * is undefined. */
+ * Q8_0 and Q4_1 +6 % (opencl/README.md). Not on AVX512-VNNI, whose hardware
+ * prefetch keeps up alone (Zen 5: Q4_0 decode 7 % faster without), nor where a
+ * tile is re-read for more tokens (from cache: Q4_1 prefill lost 4 %), nor on
+ * F16's float tiles, which lost 6-30 % at any distance. Inside the tile only: a
+ * prefetch past a buffer is undefined. RT_AHEAD 0: no prefetch. */
 #ifndef RT_AHEAD
+#ifdef LOOM_DOT8_AVX2
 #define RT_AHEAD 4
+#else
+#define RT_AHEAD 0
 #endif
-#if TPI == 1
+#endif
+#if TPI == 1 && RT_AHEAD > 0
 #define RT_PREFETCH(stream, p, bytes, left) \
     do { if ((stream) && (left) > RT_AHEAD) prefetch((p) + RT_AHEAD * (bytes), (bytes)); } while (0)
 #else
