@@ -792,6 +792,15 @@ int16 rt_dpbusd(int16 acc, rt_u8x64 u, rt_i8x64 x) __asm__("llvm.x86.avx512.vpdp
  * int16 pairs, a product of a nibble and a whole input is one lane. Two int8
  * accumulators a token (rows 0-7, 8-15). */
 #ifdef RT_Q8
+#ifndef LOOM_DOT8_AVX2
+/* With AVX512-VNNI a word of all 16 rows is one zmm of int16 pairs and vpdpwssd
+ * multiplies, pairs and accumulates them in one instruction, 32 products, where
+ * AVX2's vpmaddwd then vpaddd took 16 in two: the same integers, so the same
+ * bits. */
+#define RT_Q8_DP 1
+typedef short rt_i16x32 __attribute__((ext_vector_type(32)));
+int16 rt_dpwssd(int16 acc, rt_i16x32 a, rt_i16x32 b) __asm__("llvm.x86.avx512.vpdpwssd.512");
+#endif
 #define W16_WORDS 8
 #define W16_PAIRS 2
 #define W16_UNPACK(w, u) (u[0] = (as_short16(w) << (short)8) >> (short)8, u[1] = as_short16(w) >> (short)8)
@@ -835,6 +844,12 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         #pragma unroll
         for (int t = 0; t < TPI; t++)
             s[t][0] = s[t][1] = (int8)(-W16_Z * (256 * xq[t][kb * RT_XQ + 17] + xq[t][kb * RT_XQ + 18]));
+#ifdef RT_Q8_DP
+        int16 s16[TPI], s16b[TPI];                 /* the 16 rows' sums, two chains a token */
+        #pragma unroll
+        for (int t = 0; t < TPI; t++)
+            s16[t] = s16b[t] = (int16)(0);
+#endif
 #ifdef W16_INPLACE
         const __global int *x = xq[0] + kb * RT_XQ;
         int8 s16[2] = {(int8)(0), (int8)(0)}, s256[2] = {(int8)(0), (int8)(0)};
@@ -853,6 +868,26 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         #pragma unroll
         for (int h = 0; h < 2; h++)
             s[0][h] += (s16[h] >> 4) + (s256[h] >> 8);
+#elif defined(RT_Q8_DP)
+        #pragma unroll 2
+        for (int j = 0; j < W16_WORDS; j++) {
+            const rt_i16x32 w = __builtin_astype(vload16(j, (const __global uint *)(p + RT_QS)), rt_i16x32);
+            const rt_i16x32 u0 = (w << (short)8) >> (short)8, u1 = w >> (short)8;
+            #pragma unroll
+            for (int t = 0; t < TPI; t++) {
+                if (t < nt) {
+                    const __global int *x = xq[t] + kb * RT_XQ;
+                    s16[t] = rt_dpwssd(s16[t], u0, __builtin_astype((int16)(x[W16_X(j, 0)]), rt_i16x32));
+                    s16b[t] = rt_dpwssd(s16b[t], u1, __builtin_astype((int16)(x[W16_X(j, 1)]), rt_i16x32));
+                }
+            }
+        }
+        #pragma unroll
+        for (int t = 0; t < TPI; t++) {
+            s16[t] += s16b[t];
+            s[t][0] = s16[t].lo;
+            s[t][1] = s16[t].hi;
+        }
 #else
         #pragma unroll 2
         for (int j = 0; j < W16_WORDS; j++) {
