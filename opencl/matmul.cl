@@ -882,12 +882,6 @@ __attribute__((always_inline)) inline void mm_tile_dot(
                 }
             }
         }
-        #pragma unroll
-        for (int t = 0; t < TPI; t++) {
-            s16[t] += s16b[t];
-            s[t][0] = s16[t].lo;
-            s[t][1] = s16[t].hi;
-        }
 #else
         #pragma unroll 2
         for (int j = 0; j < W16_WORDS; j++) {
@@ -913,7 +907,12 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         for (int t = 0; t < TPI; t++) {
             if (t < nt) {
                 const float sx = as_float(xq[t][kb * RT_XQ + 16]);
-                acc[t] = fma(d, convert_float16((int16)(s[t][0], s[t][1])) * (sx / 256.0f), acc[t]);
+#ifdef RT_Q8_DP
+                const int16 si = s16[t] + s16b[t];
+#else
+                const int16 si = (int16)(s[t][0], s[t][1]);
+#endif
+                acc[t] = fma(d, convert_float16(si) * (sx / 256.0f), acc[t]);
             }
         }
     }
