@@ -71,8 +71,8 @@
  *                        RMS-normed (XQ, norm_w, eps, done after T), 2 silu(gate) up
  *                        of gate | up rows (XQ, done); QX_K, QX_X16 the consumer's K
  *                        and layout; done an int that is 0 between launches.
- *   RT_AHEAD  (AVX2 4, else 0)  (INT8_DOT, TOKENS_PER_ITEM 1, T = 1) prefetch the block
- *                        this many blocks ahead of the one summed.
+ *   RT_AHEAD  (4)        (INT8_DOT) prefetch the block this many blocks ahead of the
+ *                        one summed, on a tile's first pass (AVX2: T = 1; else T > 1).
  *   Any T >= 1 works with any geometry; X and Y may not overlap.
  *
  * kernel dequantize(const __global WTYPE *W, __global float *Y)   Y[N, K] float32
@@ -483,22 +483,25 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #ifndef RT_TILE_SIZE
 #define RT_TILE_SIZE ((size_t)(K / LOOM_QK) * RT_BYTES)   /* bytes a tile */
 #endif
-/* A launch of one token (decode) streams each int8 tile once, the work-item's
- * own 8-28 KB: on AVX2 a prefetch of the block RT_AHEAD blocks on (prefetcht0 on
- * Intel's runtime) keeps the loads ahead of the sums. Zen 3: Q4_0 decode +10 %,
- * Q8_0 and Q4_1 +6 % (opencl/README.md). Not on AVX512-VNNI, whose hardware
- * prefetch keeps up alone (Zen 5: Q4_0 decode 7 % faster without), nor where a
- * tile is re-read for more tokens (from cache: Q4_1 prefill lost 4 %), nor on
- * F16's float tiles, which lost 6-30 % at any distance. Inside the tile only: a
- * prefetch past a buffer is undefined. RT_AHEAD 0: no prefetch. */
+/* The first pass over an int8 tile streams it from memory, the work-item's own
+ * 8-28 KB: a prefetch of the block RT_AHEAD blocks on (prefetcht0 on Intel's
+ * runtime) keeps the loads ahead of the sums. Where it pays differs by CPU
+ * (opencl/README.md): AVX2 (Zen 3) only at one token (Q4_0 decode +10 %, Q8_0
+ * and Q4_1 +6 %; a tile re-read for more tokens lost 4 %); AVX512-VNNI (Zen 5)
+ * only in cohorts, whose sums keep the core busy (8 rows of decode: Q8_0 24.3 ->
+ * 19.5 ms a step, Q4_0 and Q4_1 -6 %), while one token's loads keep up alone
+ * (Q4_0 decode 7 % faster without). Never on F16's float tiles, which lost
+ * 6-30 % at any distance. Inside the tile only: a prefetch past a buffer is
+ * undefined. RT_AHEAD 0: no prefetch. */
 #ifndef RT_AHEAD
-#ifdef LOOM_DOT8_AVX2
 #define RT_AHEAD 4
+#endif
+#ifdef LOOM_DOT8_AVX2
+#define RT_STREAMED(T, t0) ((T) == 1)
 #else
-#define RT_AHEAD 0
+#define RT_STREAMED(T, t0) ((T) > 1 && (t0) == 0)
 #endif
-#endif
-#if TPI == 1 && RT_AHEAD > 0
+#if RT_AHEAD > 0
 #define RT_PREFETCH(stream, p, bytes, left) \
     do { if ((stream) && (left) > RT_AHEAD) prefetch((p) + RT_AHEAD * (bytes), (bytes)); } while (0)
 #else
@@ -845,7 +848,7 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         for (int t = 0; t < TPI; t++)
             s[t][0] = s[t][1] = (int8)(-W16_Z * (256 * xq[t][kb * RT_XQ + 17] + xq[t][kb * RT_XQ + 18]));
 #ifdef RT_Q8_DP
-        int16 s16[TPI], s16b[TPI];                 /* the 16 rows' sums, two chains a token */
+        int16 s16[TPI], s16b[TPI];                 /* the 16 rows' sums, two chains a token up to 4 */
         #pragma unroll
         for (int t = 0; t < TPI; t++)
             s16[t] = s16b[t] = (int16)(0);
@@ -878,7 +881,10 @@ __attribute__((always_inline)) inline void mm_tile_dot(
                 if (t < nt) {
                     const __global int *x = xq[t] + kb * RT_XQ;
                     s16[t] = rt_dpwssd(s16[t], u0, __builtin_astype((int16)(x[W16_X(j, 0)]), rt_i16x32));
-                    s16b[t] = rt_dpwssd(s16b[t], u1, __builtin_astype((int16)(x[W16_X(j, 1)]), rt_i16x32));
+                    if (TPI > 4)                   /* one chain a token: two would spill */
+                        s16[t] = rt_dpwssd(s16[t], u1, __builtin_astype((int16)(x[W16_X(j, 1)]), rt_i16x32));
+                    else
+                        s16b[t] = rt_dpwssd(s16b[t], u1, __builtin_astype((int16)(x[W16_X(j, 1)]), rt_i16x32));
                 }
             }
         }
@@ -951,7 +957,9 @@ __attribute__((always_inline)) inline void mm_tile_dot(
  * weights streamed, 2.28 -> 1.61 ms (Q4_K 0.84-0.92 ms with or without); the
  * Q4_K_M bench file's decode 53.9 -> 59.3 tok/s (medians of 7 alternating, one
  * process). Wider tiles reuse each superblock for their tokens: unrolled, Q4_K_M
- * prefill lost 165 -> 147 tok/s, so they keep the loops. */
+ * prefill lost 165 -> 147 tok/s, so they keep the loops; on AVX512-VNNI their
+ * first pass prefetches too (RT_STREAMED; Zen 5: Q4_K_M 4 rows of decode 14.7 ->
+ * 11.4 ms a step, 8 rows 20.2 -> 17.4). */
 #if TPI == 1
 #define KQ6_UNROLL _Pragma("unroll")
 #else
@@ -971,10 +979,8 @@ __attribute__((always_inline)) inline void mm_tile_dot(
         acc[t] = (float16)(0.0f);
     }
     for (int kb = 0; kb < RT_NB; kb += 8, p += RT_BYTES) {
-#if TPI == 1
-        if (kb + 8 < RT_NB)                          /* within the tile: a prefetch past a buffer is undefined */
-            prefetch(p + RT_BYTES, RT_BYTES);        /* the next superblock (above) */
-#endif
+        if ((TPI == 1 || stream) && kb + 8 < RT_NB)  /* within the tile: a prefetch past a buffer is undefined */
+            prefetch(p + RT_BYTES, RT_BYTES);        /* the next superblock (above; cohorts: RT_STREAMED) */
         const float16 d = vload_half16(0, (const __global half *)p);
         const __global uint *wp = (const __global uint *)(p + RT_QS);
 #ifdef WEIGHT_Q4_K
@@ -1553,7 +1559,7 @@ __kernel void dequantize(const __global WTYPE *W, __global float *Y)
 /* A tail of nt < TPI tokens (cases nt >= TPI are dead and fold away). */
 #define MM_TAIL(nt) case nt: if (nt < TPI) mm_tile(X, ldx, W, bias, Y, ldy, n0, nr, t0, nt); break;
 
-#define MM_TAIL_D(nt) case nt: if (nt < TPI) mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, nt, T == 1); break;
+#define MM_TAIL_D(nt) case nt: if (nt < TPI) mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, nt, RT_STREAMED(T, t0)); break;
 
 #define MM_TAIL_Q(nt) case nt: if (nt < TPI) mm_tile_q(lq, ld, ls, W, bias, Y, ldy, n0, nr, t0, nt); break;
 
@@ -1599,7 +1605,7 @@ __attribute__((always_inline)) inline void mm_rows(
 #elif defined(RT_DOT)
         const __global int *xq = (const __global int *)X;   /* quantize_x's output */
         if (t0 + TPI <= T) {
-            mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, TPI, T == 1);     /* T == 1: streamed once */
+            mm_tile_dot(xq, W, bias, Y, ldy, n0, nr, t0, TPI, RT_STREAMED(T, t0));
         } else {
             switch (T - t0) {
             MM_TAIL_D(1) MM_TAIL_D(2) MM_TAIL_D(3) MM_TAIL_D(4) MM_TAIL_D(5) MM_TAIL_D(6) MM_TAIL_D(7)
