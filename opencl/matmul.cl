@@ -497,7 +497,7 @@ inline void mm_store(const __global float *bias, __global float *y, int n, float
 #define RT_AHEAD 4
 #endif
 #ifdef LOOM_DOT8_AVX2
-#define RT_STREAMED(T, t0) ((T) == 1)
+#define RT_STREAMED(T, t0) (TPI == 1 && (T) == 1)          /* folds away in cohort programs */
 #else
 #define RT_STREAMED(T, t0) ((T) > 1 && (t0) == 0)
 #endif
