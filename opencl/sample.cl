@@ -25,17 +25,37 @@
  * Thresholds are found by bisection on the order-preserving integer image of the
  * logits (the same order as x for a positive temperature), so top-k is exact and
  * nothing is sorted. One work-item per row: a work-group version with the
- * bisection loops around barriers gave wrong answers on PoCL 3.0.
+ * bisection loops around barriers gave wrong answers on PoCL 3.0. The
+ * exponentials, the kept mass and the draw go eight tokens at a time (the draw
+ * skips whole groups below its target, then scans one by one): V = 32000 on Zen 5,
+ * Intel's runtime, a row at temperature 0.7 took 0.100 -> 0.031 ms, with top_p 0.9
+ * 0.138 -> 0.072. The bisections stay scalar loops: the compiler vectorizes those
+ * itself, and eight-wide by hand they ran 30-40 % slower.
  */
 
 #ifndef V
 #error "sample.cl: define V (vocabulary size)"
 #endif
+#define V8 (V / 8 * 8)                   /* the tokens the eight-wide loops cover */
 
 inline uint sample_key(float f)
 {
     uint b = as_uint(f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* Eight keys at once (as sample_key: ~b for negatives, b with the sign set else). */
+inline uint8 sample_key8(float8 f)
+{
+    const uint8 b = as_uint8(f);
+    return b ^ (as_uint8(as_int8(b) >> 31) | 0x80000000u);
+}
+
+/* The kept p of eight tokens: p where key >= keep, else 0 (bits, no select: PoCL
+ * calls its builtins). */
+inline float8 sample_kept8(float8 p, float8 l, uint keep)
+{
+    return as_float8(as_int8(p) & (sample_key8(l) >= keep));
 }
 
 inline uint sample_hash(uint x)   /* lowbias32 */
@@ -77,10 +97,18 @@ __kernel void sample(const __global float *X, int x_off, int ldx, const __global
         keep = a;
     }
 
-    /* p over the kept tokens, unnormalized */
+    /* p over the kept tokens, unnormalized; eight at a time (the exponentials are
+     * most of a sampled token's time), the tail one by one */
     const float xmax = logits[best] / temperature;
-    float total = 0.0f;
-    for (int i = 0; i < V; i++) {
+    float8 total8 = (float8)(0.0f);
+    for (int i = 0; i < V8; i += 8) {
+        const float8 l = loom_ld_float8(logits + i);
+        const float8 e = sample_kept8(loom_exp8(l / temperature - xmax), l, keep);
+        loom_st_float8(e, p + i);
+        total8 += e;
+    }
+    float total = loom_hsum8(total8);
+    for (int i = V8; i < V; i++) {
         float e = sample_key(logits[i]) >= keep ? loom_exp(logits[i] / temperature - xmax) : 0.0f;
         p[i] = e;
         total += e;
@@ -100,8 +128,11 @@ __kernel void sample(const __global float *X, int x_off, int ldx, const __global
         }
         keep = a;
     }
-    float kept = 0.0f;
-    for (int i = 0; i < V; i++)
+    float8 kept8 = (float8)(0.0f);
+    for (int i = 0; i < V8; i += 8)
+        kept8 += sample_kept8(loom_ld_float8(p + i), loom_ld_float8(logits + i), keep);
+    float kept = loom_hsum8(kept8);
+    for (int i = V8; i < V; i++)
         kept += sample_key(logits[i]) >= keep ? p[i] : 0.0f;
 
     /* the draw: the first kept index whose running mass passes the target */
@@ -110,7 +141,19 @@ __kernel void sample(const __global float *X, int x_off, int ldx, const __global
     const float target = u * kept;
     float run = 0.0f;
     int chosen = best;
-    for (int i = 0; i < V; i++) {
+    int from = 0, last = -1;             /* skip whole groups of eight that stay below the target */
+    for (; from < V8; from += 8) {
+        const float mass = loom_hsum8(sample_kept8(loom_ld_float8(p + from), loom_ld_float8(logits + from), keep));
+        if (run + mass > target)
+            break;
+        run += mass;
+        if (mass > 0.0f)
+            last = from;
+    }
+    for (int i = last; i >= 0 && i < last + 8; i++)   /* where the scan stood: the last kept token so far */
+        if (sample_key(logits[i]) >= keep && p[i] > 0.0f)
+            chosen = i;
+    for (int i = from; i < V; i++) {
         if (sample_key(logits[i]) >= keep && p[i] > 0.0f) {
             chosen = i;                  /* rounding at the very end falls on the last kept token */
             run += p[i];

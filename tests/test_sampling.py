@@ -8,6 +8,7 @@ from conftest import compiler_for
 from loom.device import Device
 
 V = 1000
+TAIL_V = 1003     # not a multiple of 8: the eight-wide passes leave a tail of 3
 
 
 def key(x):
@@ -38,8 +39,8 @@ def reference(logits, temperature, top_p, top_k, seed, counter):
         return int(np.argmax(logits)), None, None
     x = (logits.astype(np.float32) / np.float32(temperature)).astype(np.float32)
     keys = key(logits)   # for a positive temperature the logits order the tokens as x does
-    keep = np.ones(V, bool)
-    if 0 < top_k < V:
+    keep = np.ones(len(logits), bool)
+    if 0 < top_k < len(logits):
         kth = np.sort(keys)[::-1][top_k - 1]
         keep = keys >= kth
     p = np.where(keep, np.exp(x.astype(np.float64) - x.max()), 0.0)
@@ -54,17 +55,21 @@ def reference(logits, temperature, top_p, top_k, seed, counter):
     return None, cdf, uniform(seed, counter) * cdf[-1]
 
 
-@pytest.fixture(scope="module")
-def kernel():
+def sampler(vocab):
     device = Device("cpu")
     compiler = compiler_for(device)
-    exe = compiler.compile(compiler.library_source("sample"), {"V": V})
+    exe = compiler.compile(compiler.library_source("sample"), {"V": vocab})
     return device, exe.program
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return sampler(V)
 
 
 def run(kernel, logits, params, seeds):
     device, program = kernel
-    R = len(logits)
+    R, V = logits.shape
     ctx, queue = device.context, device.queue
     mf = cl.mem_flags
     X = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(logits, np.float32))
@@ -124,3 +129,18 @@ def test_empirical_distribution_follows_the_probabilities(kernel):
     freq = np.bincount(ids, minlength=4)[:4] / draws
     assert np.abs(freq - [0.5, 0.3, 0.15, 0.05]).max() < 0.03
     assert set(np.unique(ids)) <= {0, 1, 2, 3}   # top_k = 4 drops the rest
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", CASES)
+def test_a_vocabulary_with_a_tail_matches_the_reference(temperature, top_p, top_k):
+    kernel = sampler(TAIL_V)
+    rng = np.random.default_rng(int(temperature * 100 + top_p * 10 + top_k) + 1)
+    logits = (rng.standard_normal((24, TAIL_V)) * 3).astype(np.float32)
+    logits[:8, -3:] += 20      # rows whose likeliest tokens are all in the tail
+    params = [[temperature, top_p, top_k, 0]] * 24
+    seeds = [[4321 + r, r * 5] for r in range(24)]
+    ids = run(kernel, logits, params, seeds)
+    for r in range(24):
+        check(int(ids[r]), logits[r], params[r], *seeds[r])
+    if temperature == 0:
+        assert all(ids[:8] >= TAIL_V - 3)
