@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: soak install system-drivers run test bench bench-drivers bench-peers clean
+.PHONY: soak install system-drivers run test test-full bench bench-drivers bench-peers clean
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ run: install
 test: install
 	$(VENV)/bin/lint-imports --no-cache --config .importlinter
 	$(PY) -m pytest -q --durations=25
+
+# Every case, the exhaustive sweeps marked `full` included (run it whenever kernels or
+# model packages change).
+test-full: install
+	$(VENV)/bin/lint-imports --no-cache --config .importlinter
+	$(PY) -m pytest -q --durations=25 --full
 
 bench: install
 	$(PY) bench/http.py

@@ -46,6 +46,22 @@ loom_device.arrange_loader()
 KERNELS = tempfile.mkdtemp(prefix="loom-test-kernels-")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the exhaustive cases marked `full` (make test-full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # `make test` keeps one representative case per kernel family x type x driver;
+    # the sweeps marked `full` run under `make test-full`.
+    if config.getoption("--full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
+        items[:] = kept
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(KERNELS, ignore_errors=True)
 
