@@ -47,15 +47,20 @@ system-drivers:
 run: install
 	$(PY) -m loom $(ARGS)
 
+# One pytest worker a core (a test file stays on one worker: its module fixtures, servers and
+# built kernels are made once); TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST := $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
+
 test: install
 	$(VENV)/bin/lint-imports --no-cache --config .importlinter
-	$(PY) -m pytest -q --durations=25
+	$(PYTEST)
 
-# Every case, the exhaustive sweeps marked `full` included (run it whenever kernels or
-# model packages change).
+# Every case, the exhaustive sweeps marked `full` and every driver included (run it whenever
+# kernels or model packages change).
 test-full: install
 	$(VENV)/bin/lint-imports --no-cache --config .importlinter
-	$(PY) -m pytest -q --durations=25 --full
+	$(PYTEST) --full
 
 bench: install
 	$(PY) bench/http.py

@@ -36,6 +36,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",
+            "pytest-xdist>=3",      # make test runs on every core (tests/conftest.py sums the workers' builds)
             "hypothesis>=6",
             "openai>=1.0",
             "prometheus_client>=0.17",

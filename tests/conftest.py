@@ -24,13 +24,13 @@ import socket
 import subprocess
 import sys
 import shutil
-import tempfile
 import threading
 import time
 import weakref
 
 import pytest
 
+import loom
 from loom import demo, device as loom_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,10 +40,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # vendors folder that loom.device writes (servers started by tests inherit it).
 loom_device.arrange_loader()
 
-# The servers of one test run share a kernel cache of their own (the user's stays
-# untouched, and a run never depends on what an earlier one left): the first server
-# to build a kernel stores it, the later ones load it.
-KERNELS = tempfile.mkdtemp(prefix="loom-test-kernels-")
+# Every test and every server a run starts share one kernel cache of their own (the
+# user's stays untouched): the first to build a kernel stores its binary, the later ones
+# load it. The folder outlives the run (a machine's next run loads what this one built):
+# its files are keyed by content (source, options, device, driver version, instruction
+# set), never by the clone's path, so a stale file cannot match; LOOM_TEST_KERNELS=DIR
+# picks another folder (an empty one for a cold run).
+KERNELS = os.environ.get("LOOM_TEST_KERNELS") or loom.cache_folder("test-kernels")
+os.makedirs(KERNELS, exist_ok=True)
+
+# `make test` warns past this many seconds (pytest's own time), naming the slowest files:
+# measured at 2026-12-07 on an Intel Xeon (the slowest host seen), CI allows 90 minutes.
+BUDGET_S = float(os.environ.get("LOOM_TEST_BUDGET_S", 25 * 60))
 
 
 def pytest_addoption(parser):
@@ -51,19 +59,107 @@ def pytest_addoption(parser):
                      help="also run the exhaustive cases marked `full` (make test-full)")
 
 
+def _quick(item, others) -> bool:
+    """Whether `make test` runs this item: not a sweep marked `full`, and on a driver other than
+    the preferred one only where marked `every_driver` (each kernel family and weight type on
+    every driver; the preferred one, which serves by default, runs everything)."""
+    if item.get_closest_marker("full"):
+        return False
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(driver in callspec.id for driver in others):
+        return item.get_closest_marker("every_driver") is not None
+    return True
+
+
 def pytest_collection_modifyitems(config, items):
-    # `make test` keeps one representative case per kernel family x type x driver;
-    # the sweeps marked `full` run under `make test-full`.
     if config.getoption("--full"):
         return
-    kept = [item for item in items if item.get_closest_marker("full") is None]
+    others = [param.id for param in drivers()[1:]]
+    kept = [item for item in items if _quick(item, others)]
     if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
 
 
-def pytest_unconfigure(config):
-    shutil.rmtree(KERNELS, ignore_errors=True)
+# -- what a run costs: kernel builds and the slowest files ---------------------------
+
+class _Costs:
+    """Kernel builds from source (this process's, by counting the driver calls; servers',
+    by the binaries they add to KERNELS) and each test file's seconds."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.builds, self.build_seconds = 0, 0.0
+        self.stored = set()             # cache keys this process's compilers stored
+        self.files = {}                 # test file -> seconds (setup, call and teardown)
+
+    def watch(self):
+        import pyopencl._cl as cl_raw
+        from loom.compiler import BinaryStore
+        build, put, costs = cl_raw._Program._build, BinaryStore.put, self
+
+        def counted_build(program, *args, **kwargs):
+            if program.kind() != cl_raw.program_kind.SOURCE:    # a stored binary loading
+                return build(program, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return build(program, *args, **kwargs)
+            finally:
+                costs.builds += 1
+                costs.build_seconds += time.perf_counter() - start
+
+        def recorded_put(store, key, *args, **kwargs):
+            costs.stored.add(key)
+            return put(store, key, *args, **kwargs)
+
+        cl_raw._Program._build = counted_build
+        BinaryStore.put = recorded_put
+
+    def server_builds(self):
+        added = set()
+        for entry in os.scandir(KERNELS):
+            if entry.name.endswith(".bin") and entry.stat().st_mtime >= self.started:
+                added.add(entry.name[:-4])
+        return len(added - self.stored)
+
+
+COSTS = _Costs()
+
+
+def pytest_configure(config):
+    COSTS.watch()
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    COSTS.files[path] = COSTS.files.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    # An xdist worker hands its builds to the controller, which prints the summary.
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["loom_builds"] = (COSTS.builds, COSTS.build_seconds, sorted(COSTS.stored))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    builds, seconds, stored = getattr(node, "workeroutput", {}).get("loom_builds", (0, 0.0, ()))
+    COSTS.builds += builds
+    COSTS.build_seconds += seconds
+    COSTS.stored.update(stored)
+
+
+def pytest_terminal_summary(terminalreporter):
+    total = time.time() - COSTS.started
+    write = terminalreporter.write_line
+    write(f"kernel builds from source: {COSTS.builds} in the test processes ({COSTS.build_seconds:.0f} s), "
+          f"{COSTS.server_builds()} by the servers they started (cache {KERNELS})")
+    if total > BUDGET_S:
+        slowest = sorted(COSTS.files.items(), key=lambda item: -item[1])[:8]
+        write(f"WARNING: the tests took {total / 60:.1f} min, past the {BUDGET_S / 60:.0f} min budget "
+              f"(LOOM_TEST_BUDGET_S); the slowest files:", yellow=True, bold=True)
+        for path, seconds in slowest:
+            write(f"  {seconds:7.1f} s  {path}", yellow=True)
 
 
 def compiler_for(device):

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from conftest import drivers
-from test_kernels import Env, assert_close, conv_in_view, conv_in_view_ref, make_weights, rng, i32, f32
+from test_kernels import shared_env, assert_close, conv_in_view, conv_in_view_ref, make_weights, rng, i32, f32
 
 cl = pytest.importorskip("pyopencl")
 
 
 @pytest.fixture(scope="module", params=drivers())
 def env(request):
-    return Env(request.param)
+    return shared_env(request.param)
 
 
 def silu(x):
@@ -136,7 +136,12 @@ CONV2D = {
 }
 
 
-@pytest.mark.parametrize("case", list(CONV2D))
+def every_driver(cases, chosen):
+    """Case names as params, `chosen` (one a weight type) marked to run on every driver."""
+    return [pytest.param(case, marks=pytest.mark.every_driver if case in chosen else ()) for case in cases]
+
+
+@pytest.mark.parametrize("case", every_driver(CONV2D, ("k3_c32_odd", "k1_proj_f16_nobias")))
 def test_conv2d(env, case):
     """conv2d against the float64 loop: 3x3 pad 1 / stride 2 / 1x1, odd sizes and tails (pixels
     of a row, outputs), several images, VW 16/8/4/1, F16 weights, bias (none, [O], [N, O]),
@@ -245,7 +250,7 @@ GROUP_NORM = {
 }
 
 
-@pytest.mark.parametrize("case", list(GROUP_NORM))
+@pytest.mark.parametrize("case", every_driver(GROUP_NORM, ("g8_illustrator_silu_in_place", "g32_sd_cg10_silu")))
 def test_group_norm(env, case):
     """group_norm against GroupNorm in float64: 1, 8 and 32 groups (4-16 channels a group, and
     SD's 10), OUT_SILU, in place, several lanes, several groups a work-group, a large mean

@@ -16,31 +16,36 @@ def catalog_view(server):
     return sorted((m["id"], m["loom"]["kind"], json.dumps(m["loom"].get("variants"))) for m in models)
 
 
-# Each walkthrough starts a fresh default catalog, which compiles every deployment's kernels
-# (a minute or more on two busy cores) before its examples run: more than the suite's 120 s a test.
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("path,start,end", [
+WALKTHROUGHS = [
     ("README.md", "With the server running", "Any OpenAI client"),   # the quick start against `make run`
     ("docs/operations.md", "## Registration lifecycle", None),       # everything from here on, in order
-])
-def test_doc_examples_run_in_order_and_leave_the_catalog_as_found(path, start, end, tmp_path):
-    """Every runnable curl block, in document order, against one fresh default-catalog server
-    (a fresh `make run`): none answers an error, and the catalog is as it was afterwards."""
+]
+
+
+# The walkthroughs share one fresh default catalog, started once (it loads every real model and
+# its kernels: a minute or more on two busy cores, more than the suite's 120 s a test): each must
+# leave the catalog as it found it, so the next one meets what a fresh `make run` serves.
+@pytest.mark.timeout(900)
+def test_doc_examples_run_in_order_and_leave_the_catalog_as_found(tmp_path):
+    """Every runnable curl block of each walkthrough, in document order, against a fresh
+    default-catalog server (a fresh `make run`): none answers an error, and the catalog is
+    as it was afterwards."""
     server = _start_live(tmp_path, (), catalog="default")
     try:
         before = catalog_view(server)
-        text = open(os.path.join(ROOT, path)).read()
-        section = text[text.index(start):text.index(end) if end else None]
-        runnable = [b for b in re.findall(r"```sh\n(.*?)```", section, re.S)
-                    if "curl -N" not in b and "make run" not in b]                  # streams never end
-        script = "\n".join(runnable).replace("127.0.0.1:8080", f"127.0.0.1:{server.port}")
-        script = script.replace("/tmp/", f"{tmp_path}/")
-        out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300,
-                             env=dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + ":" + os.environ["PATH"]))
-        assert out.returncode == 0, out.stderr
-        assert '"error":{' not in out.stdout, out.stdout
-        assert catalog_view(server) == before
+        for path, start, end in WALKTHROUGHS:
+            text = open(os.path.join(ROOT, path)).read()
+            section = text[text.index(start):text.index(end) if end else None]
+            runnable = [b for b in re.findall(r"```sh\n(.*?)```", section, re.S)
+                        if "curl -N" not in b and "make run" not in b]                  # streams never end
+            script = "\n".join(runnable).replace("127.0.0.1:8080", f"127.0.0.1:{server.port}")
+            script = script.replace("/tmp/", f"{tmp_path}/")
+            out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=300,
+                                 env=dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + ":" + os.environ["PATH"]))
+            assert out.returncode == 0, f"{path}: {out.stderr}"
+            assert '"error":{' not in out.stdout, f"{path}: {out.stdout}"
+            assert catalog_view(server) == before, path
     finally:
         server.stop()
 

@@ -9,6 +9,7 @@ the ggml reference formulas and dequantized by numpy from the same bytes.
 Each program is built once per module (builds cost ~0.5 s on PoCL).
 """
 
+import itertools
 import os
 import re
 
@@ -84,9 +85,30 @@ class Env:
         kernel(self.queue, gsize, lsize, *args)
 
 
+_ENVS = {}
+
+
+def shared_env(selector):
+    """One Env a driver for the whole run: every module's kernels built once (test_conv2d and
+    test_lora build through it too)."""
+    if selector not in _ENVS:
+        _ENVS[selector] = Env(selector)
+    return _ENVS[selector]
+
+
 @pytest.fixture(scope="module", params=drivers())
 def env(request):
-    return Env(request.param)
+    return shared_env(request.param)
+
+
+def diagonal(*axes):
+    """The product of the axes as pytest params, all but a diagonal marked `full`: `make test`
+    runs the r-th value of every axis together (r up to the longest axis), so every type,
+    shape and geometry still runs on every driver; `make test-full` runs the whole product."""
+    axes = [list(axis) for axis in axes]
+    kept = {tuple(r % len(axis) for axis in axes) for r in range(max(map(len, axes)))}
+    return [pytest.param(*(axis[i] for axis, i in zip(axes, index)), marks=() if index in kept else pytest.mark.full)
+            for index in itertools.product(*(range(len(axis)) for axis in axes))]
 
 
 def i32(v):
@@ -225,8 +247,8 @@ KQ_MATMUL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", KQUANTS)
-@pytest.mark.parametrize("case", range(len(KQ_MATMUL_CASES)))
+@pytest.mark.every_driver
+@pytest.mark.parametrize("kind,case", diagonal(KQUANTS, range(len(KQ_MATMUL_CASES))))
 def test_matmul_kquants(env, kind, case):
     """Every K-quant against gguf's dequantization of the same random superblocks."""
     n, k, geometry, has_bias, accumulate = KQ_MATMUL_CASES[case]
@@ -241,7 +263,13 @@ def test_matmul_kquants(env, kind, case):
         assert_close(got, ref, 1e-4)
 
 
-@pytest.mark.parametrize("kind", KQUANTS)
+def some(values, quick):
+    """values as pytest params, those not in `quick` marked `full`: a sweep that `make test`
+    runs for the types real checkpoints use most (the others are checked by a single case)."""
+    return [pytest.param(v, marks=() if v in quick else pytest.mark.full) for v in values]
+
+
+@pytest.mark.parametrize("kind", some(KQUANTS, ("Q4_K", "Q6_K")))
 def test_matmul_kquant_cohort_tails(env, kind):
     """llama.loom's cohort geometries and the wide tile at every T up to 9 (every tail
     width). Not TOKENS_PER_ITEM = 16: fifteen inlined tail tiles of a fully unrolled
@@ -331,8 +359,8 @@ MATMUL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
+@pytest.mark.every_driver
+@pytest.mark.parametrize("kind,case", diagonal(KINDS, range(len(MATMUL_CASES))))
 def test_matmul(env, kind, case):
     n, k, geometry, has_bias, accumulate = MATMUL_CASES[case]
     wraw, wref = make_weights(kind, random_weights(case, n, k))
@@ -350,6 +378,7 @@ def test_matmul(env, kind, case):
         assert_close(got, ref, REL[kind])
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("kind", KINDS + KQUANTS)
 def test_dequantize_is_exact_and_feeds_the_same_sums(env, kind):
     """matmul.cl's dequantize writes exactly the reference values (every quantized value is exact
@@ -394,7 +423,7 @@ def test_matmul_geometry_does_not_change_the_answer(env):
         assert_close(got, results[0], 1e-6)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", some(KINDS, ("F16", "Q8_0", "Q4_0", "Q5_0")))
 def test_matmul_cohort_tails(env, kind):
     """Cohort geometries (llama.loom: 1,4,8,16 and, for K >= 4096, 2,4,8,8) and a
     wide tile: every T, so every tail width (T % TOKENS_PER_ITEM, run as one
@@ -420,9 +449,9 @@ ACT_Q8_CASES = [
 ]
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("case", range(len(ACT_Q8_CASES)))
+@pytest.mark.every_driver
+@pytest.mark.parametrize("case,kind,portable", diagonal(range(len(ACT_Q8_CASES)), ["Q8_0", "Q4_0"],
+                                                       ["native", "portable"]))
 def test_matmul_act_q8_matches_integer_reference(env, kind, case, portable):
     """ACT_Q8: activations quantized to int8 per block inside the kernel, integer
     block dots. Checked tightly against the numpy integer reference (only the
@@ -443,7 +472,7 @@ def test_matmul_act_q8_matches_integer_reference(env, kind, case, portable):
         exact = x[:t].astype(np.float64) @ wref.T
         extra = (bias if has_bias else 0.0) + (y0[:t] if accumulate else 0.0)
         got = run_matmul(env, kind, n, k, x[:t], wraw, bias, None if y0 is None else y0[:t], geometry,
-                         extra={"ACT_Q8": True, "MM_PORTABLE": portable})
+                         extra={"ACT_Q8": True, "MM_PORTABLE": portable == "portable"})
         assert_close(got - extra, ref, 2e-6)
         # against the float product: each activation is off by at most d_x / 2
         dx = quantize_activations_q8(x[:t])[1].astype(np.float64)
@@ -533,8 +562,7 @@ CAT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", KINDS + ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("case", range(len(CAT_CASES)))
+@pytest.mark.parametrize("kind,case", diagonal(KINDS + ["Q4_K", "Q6_K"], range(len(CAT_CASES))))
 def test_matmul_cat_gives_each_matrix_its_own_bits(env, kind, case):
     """matmul_cat over [W0; W1; W2] read where each lies (llama.loom's one q|k|v and gate|up
     launch): every output column is the bits matmul gives for that matrix alone at the same
@@ -645,12 +673,12 @@ def run_row_tiles(env, kind, n, k, x, raw, tpi, bias=None, y0=None, ldy=None, ex
     return got[:, 3:3 + n]
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q4_1"])
-@pytest.mark.parametrize("n, k", [(37, 896), (5, 4864)])
-def test_matmul_row_tiles_meet_numpy(env, kind, n, k):
+@pytest.mark.parametrize("kind,shape", diagonal(["Q4_0", "Q5_0", "Q4_1"], [(37, 896), (5, 4864)]))
+def test_matmul_row_tiles_meet_numpy(env, kind, shape):
     """Q4_0, Q5_0 and Q4_1 held in tiles of 16 rows: decode (one token, u * x summed per
     block and scaled once), cohort and prefill tiles of 4 and 8 tokens with every tail width, bias
     and residual add, and a last tile of padding rows that is computed but never stored."""
+    n, k = shape
     raw, ref = make_weights(kind, random_weights(60, n, k))
     r = rng(61)
     x = r.standard_normal((19, k)).astype(np.float32)
@@ -1236,6 +1264,7 @@ def test_matmul_missing_macro_is_a_build_error(env):
 
 # ---------------------------------------------------------------- norms
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("d,wg,weighted", [(896, 1, True), (100, 4, True), (37, 1, False)])
 def test_rms_norm(env, d, wg, weighted):
     prg = env.build("rms_norm", D=d, WG=wg, HAS_WEIGHT=weighted)
@@ -1277,6 +1306,7 @@ def test_rms_norm_over_heads_of_wider_rows(env, wg):
     assert_close(got, ref, 1e-5)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("d,wg", [(384, 1), (37, 8)])
 def test_layer_norm(env, d, wg):
     prg = env.build("layer_norm", D=d, WG=wg, HAS_WEIGHT=True, HAS_BIAS=True)
@@ -1293,6 +1323,7 @@ def test_layer_norm(env, d, wg):
     assert_close(env.read(xb, (t, d)), ref, 1e-5)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("d,wg,accumulate", [(192, 1, True), (37, 8, True), (40, 1, False)])
 def test_layer_norm_gelu_out(env, d, wg, accumulate):
     """OUT_GELU (erf form) on the affine result, and ACCUMULATE adding it to Y (VITS's
@@ -1346,6 +1377,7 @@ def rope_ref(x, pos, theta, freq_scale, rope_dims, neox):
     return out
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("head_dim,neox,rope_dims", [(64, False, None), (64, True, None),
                                                      (128, True, 32), (128, False, 64)])
 def test_rope(env, head_dim, neox, rope_dims):
@@ -1420,6 +1452,7 @@ def test_rope_store_is_rope_then_kv_store(env, neox, kv_f16):
 
 # ---------------------------------------------------------------- softmax
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("d,wg,scale", [(37, 1, 1.0), (1000, 4, 0.125), (8, 1, -2.0)])
 def test_softmax(env, d, wg, scale):
     prg = env.build("softmax", D=d, WG=wg)
@@ -1468,6 +1501,7 @@ ATTN_CASES = [
 ]
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("case", range(len(ATTN_CASES)))
 def test_kv_store_and_attention(env, case):
     heads, kvh, dh, kv_f16, window = ATTN_CASES[case]
@@ -1637,6 +1671,7 @@ def test_attention_is_stable_for_large_scores(env):
     assert_close(env.read(ob, (2, heads * dh)), ref.reshape(2, -1), 1e-5)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("causal, split_v", [(False, False), (True, False), (False, True)])
 def test_attention_seq(env, causal, split_v):
     """split_v: values from their own buffer, at another offset and leading dimension than the keys."""
@@ -1725,6 +1760,7 @@ def gelu_tanh(x):
 ADDRESSING = [pytest.param(False, id="as-built"), pytest.param(True, id="size_t")]
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("size_t", ADDRESSING)
 @pytest.mark.parametrize("tanh", [False, True])
 def test_gated_activations(env, tanh, size_t):
@@ -1751,6 +1787,7 @@ def test_gated_activations(env, tanh, size_t):
     assert_close(env.read(gb, (t, f)), silu(g64) * u64, 1e-5)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("tanh", [False, True])
 def test_gelu(env, tanh):
     prg = env.build("elementwise", GELU_TANH=tanh)   # flat kernels need no F
@@ -1763,6 +1800,7 @@ def test_gelu(env, tanh):
     assert_close(env.read(xb, n), ref, 1e-5)
 
 
+@pytest.mark.every_driver
 def test_quick_gelu_and_silu(env):
     prg = env.build("elementwise")
     n = 1000
@@ -1775,6 +1813,7 @@ def test_quick_gelu_and_silu(env):
         assert_close(env.read(yb, n), ref, 1e-5)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("size_t", ADDRESSING)
 def test_add_mul_scale_add_bias(env, size_t):
     f, t = 37, 5
@@ -1800,6 +1839,7 @@ def test_add_mul_scale_add_bias(env, size_t):
     assert_close(env.read(yb, n), ref, 1e-6)
 
 
+@pytest.mark.every_driver
 def test_to_f16(env):
     """float32 -> IEEE half bits exactly as numpy rounds them (nearest even, overflow to inf)."""
     prg = env.build("elementwise")
@@ -1816,6 +1856,7 @@ def test_to_f16(env):
 
 # ---------------------------------------------------------------- gather
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("kind", KINDS)
 def test_gather(env, kind):
     vocab, d = 50, 64
@@ -1862,8 +1903,8 @@ def test_gather_row_tiles_only_for_the_tiled_types(env, kind):
     assert "TABLE_TILE needs 16 and TABLE_F16, TABLE_Q8_0, TABLE_Q4_0, TABLE_Q4_1 or TABLE_Q5_0" in str(e.value)
 
 
-@pytest.mark.parametrize("kind", KQUANTS)
-@pytest.mark.parametrize("d", [256, 768])
+@pytest.mark.every_driver
+@pytest.mark.parametrize("kind,d", diagonal(KQUANTS, [256, 768]))
 def test_gather_kquants(env, kind, d):
     """Embedding rows of one and of three superblocks, an odd vocabulary, ids out of range."""
     vocab = 37
@@ -1893,6 +1934,7 @@ def test_kquant_sizes_are_build_errors(env):
 
 # ---------------------------------------------------------------- pooling
 
+@pytest.mark.every_driver
 def test_mean_cls_pool_and_l2_normalize(env):
     d = 37
     prg = env.build("pool", D=d)
@@ -1932,6 +1974,7 @@ def test_l2_normalize_work_group_lanes(env):
 
 # ---------------------------------------------------------------- argmax
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("d,wg", [(1000, 1), (1000, 4), (37, 1)])
 def test_argmax(env, d, wg):
     prg = env.build("argmax", D=d, WG=wg)
@@ -1975,6 +2018,7 @@ def test_catalogue_lists_every_kernel():
 
 # ---------------------------------------------------------------- spectrum, conv1d
 
+@pytest.mark.every_driver
 def test_spectrum_kernels_match_numpy(env):
     """dft_basis as an STFT against numpy's rfft, power_spectrum, and mel_filterbank against
     librosa's Slaney formula written out in float64 (hz <-> mel linear below 1 kHz, log above)."""
@@ -2002,6 +2046,7 @@ def test_spectrum_kernels_match_numpy(env):
     assert_close(env.read(xb, (4,)), np.log10(np.maximum(x.astype(np.float64), 1e-10)), 1e-6)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("c,kw,stride,pad,dilation", [(80, 3, 1, 1, 1), (5, 3, 2, 1, 1), (4, 5, 1, 4, 2), (3, 7, 3, 0, 3)])
 def test_im2col1d_is_a_conv1d_with_matmul(env, c, kw, stride, pad, dilation):
     """im2col1d, then the unfolded input times W[O, C, KW] viewed as [O, C*KW], equals a direct conv1d."""
@@ -2126,10 +2171,20 @@ CONV_DIRECT = {
 OUTER_MODES = ("copied", "tiled")     # weights as the checkpoint lays them out, or tiled at load (WEIGHT_TILES)
 
 
-@pytest.mark.parametrize("case,entry,weights", [(case, entry, mode) for case in CONV_DIRECT
-                                                for entry in ("conv1d_direct", "conv1d_outer")
-                                                for mode in (OUTER_MODES if entry == "conv1d_outer" else ("copied",))
-                                                if entry == "conv1d_direct" or not CONV_DIRECT[case][7].get("OUT_TANH")])
+def conv_entries(cases, entries):
+    """(case, entry, weights) params: every case through each entry that takes it (`make test-full`);
+    `make test` takes each case through one of them, in turn."""
+    params = []
+    for i, case in enumerate(cases):
+        usable = [(entry, mode) for entry, mode in entries if entry.endswith("direct") or "transpose" in entry
+                  or not cases[case][7].get("OUT_TANH")]
+        params += [pytest.param(case, entry, mode, marks=() if j == i % len(usable) else pytest.mark.full)
+                   for j, (entry, mode) in enumerate(usable)]
+    return params
+
+
+@pytest.mark.parametrize("case,entry,weights", conv_entries(CONV_DIRECT, [("conv1d_direct", "copied")] +
+                                                            [("conv1d_outer", mode) for mode in OUTER_MODES]))
 def test_conv1d_direct(env, case, entry, weights):
     """conv1d_direct, and conv1d_outer (the same contract as outer products over output
     vectors, OUT_VECS x OUT_VW outputs by 8 frames a tile: a partial last vector when
@@ -2246,6 +2301,7 @@ CONV_DEPTHWISE = {
 }
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("case", list(CONV_DEPTHWISE))
 def test_conv1d_depthwise(env, case):
     c, kw, dil, lengths, macros, views = CONV_DEPTHWISE[case]
@@ -2294,9 +2350,9 @@ CONV_TRANSPOSE = {
 }
 
 
-@pytest.mark.parametrize("entry,weights", [("conv_transpose1d", "copied")]
-                         + [("conv_transpose1d_outer", mode) for mode in OUTER_MODES])
-@pytest.mark.parametrize("case", list(CONV_TRANSPOSE))
+@pytest.mark.every_driver
+@pytest.mark.parametrize("case,entry,weights", conv_entries(CONV_TRANSPOSE, [("conv_transpose1d", "copied")] +
+                                                            [("conv_transpose1d_outer", mode) for mode in OUTER_MODES]))
 def test_conv_transpose1d(env, case, entry, weights):
     """conv_transpose1d and conv_transpose1d_outer (outer products, as conv1d_outer): STRIDE * n
     output frames per sequence equal to PyTorch's when KW - 2*PAD == STRIDE (HiFi-GAN), truncated
@@ -2341,6 +2397,7 @@ def test_conv_transpose1d(env, case, entry, weights):
         np.testing.assert_array_equal(other, results[0])
 
 
+@pytest.mark.every_driver
 def test_conv_build_errors_and_absent_kernels(env):
     """VW must divide C; conv_transpose1d exists only with DILATION 1; without O only
     im2col1d and conv1d_depthwise exist; OUT_VW builds the outer kernels instead of the
@@ -2412,6 +2469,7 @@ def test_hifigan_stage_from_library_kernels(env):
     assert_close(env.read(sb, (t, c)), want, 1e-5)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("size_t", ADDRESSING)
 def test_vits_elementwise(env, size_t):
     """leaky_relu, tanh_act, tanh_sigmoid_mul (WaveNet gate on the halves of one [T, 2H]

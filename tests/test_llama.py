@@ -343,7 +343,15 @@ def kquant_models_on_one_driver(request):
         pytest.skip("K-quant whole models run on the first driver (test_kernels covers every driver)")
 
 
-@pytest.mark.parametrize("arch,dtype,fmt", CASES, ids=["-".join(c) for c in CASES])
+# `make test` runs a whole model per architecture on the preferred driver (each its own weight
+# type and format: test_kernels checks every type's kernels on every driver), one of them on
+# every other driver, and one Q4_K_M mix; `make test-full` runs every case on every driver.
+QUICK_CASES = {("llama", "Q4_0", "gguf"): pytest.mark.every_driver, ("qwen2", "Q8_0+int8", "gguf"): (),
+               ("qwen3", "BF16", "safetensors"): ()}
+
+
+@pytest.mark.parametrize("arch,dtype,fmt", [pytest.param(*c, id="-".join(c), marks=QUICK_CASES.get(c, pytest.mark.full))
+                                            for c in CASES])
 def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt, request):
     """Prompts of 1, 7, 33 and 257 tokens (257 in prefill chunks of 64, over more than one KV page)."""
     if dtype in KQUANTS:
@@ -351,8 +359,9 @@ def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt, reque
     check_logits(device, tmp_path, arch, dtype, fmt)
 
 
-@pytest.mark.parametrize("width", [8, 16])
-@pytest.mark.parametrize("dtype", ["F16", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("dtype,width", [pytest.param("F16", 16, id="F16-16"), pytest.param("Q4_1", 8, id="Q4_1-8"),
+                                         *[pytest.param(d, w, id=f"{d}-{w}", marks=pytest.mark.full)
+                                           for d, w in (("F16", 8), ("Q8_0", 8), ("Q8_0", 16), ("Q4_1", 16))]])
 def test_logits_match_numpy_at_each_vector_width(device, tmp_path, dtype, width):
     """The package's matmul tiles follow the device's vector width (8 floats: AVX2 tiles of 8
     accumulators; 16: AVX-512's 4 x 4 of float16): whichever the host has, both give numpy's logits."""
@@ -373,7 +382,9 @@ MIX_CASES = [("llama", (256, 320), {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}),
              ("qwen2", (64, 256), {"Q4_K", "Q6_K", "Q5_0", "Q8_0"})]
 
 
-@pytest.mark.parametrize("arch,dims,types", MIX_CASES, ids=[f"{a}-{d}x{f}" for a, (d, f), _ in MIX_CASES])
+@pytest.mark.parametrize("arch,dims,types", [pytest.param(*c, id=f"{c[0]}-{c[1][0]}x{c[1][1]}",
+                                                           marks=() if c[0] == "qwen2" and c[1] == (64, 256) else
+                                                           pytest.mark.full) for c in MIX_CASES])
 def test_q4_k_m_mix_logits_match_numpy(device, tmp_path, arch, dims, types, request):
     """A checkpoint of mixed types as llama.cpp's Q4_K_M writes them, each matrix's kernels
     specialized to its own type, against the numpy forward pass of gguf's dequantization."""

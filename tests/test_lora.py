@@ -21,7 +21,7 @@ from loom.device import Device
 from loom.errors import Problem
 
 import sd_numpy as ref
-from test_kernels import Env, i32
+from test_kernels import shared_env, i32
 from test_sd import SOURCE, _temb_inputs, channels_last, close, generate, run
 
 f32 = np.float32
@@ -339,9 +339,10 @@ def test_fuzz_mutated_adapters_pack_or_raise_lora_error(fuzz_dir, data):
 
 @pytest.fixture(scope="module", params=drivers())
 def env(request):
-    return Env(request.param)
+    return shared_env(request.param)
 
 
+@pytest.mark.every_driver
 @pytest.mark.parametrize("k, vw, nv", [(37, 4, 4), (40, 8, 8), (48, 16, 16)])
 def test_kernels_against_numpy(env, k, vw, nv):
     """lora_down then lora_up on views (offsets, wider leading dimensions), K and N not multiples

@@ -220,7 +220,9 @@ def test_matches_ctranslate2_on_speech(whisper, recordings):
 
 # --- Speech ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("sentence", speech.SENTENCES)
+# Each sentence costs the numpy model seconds: `make test` takes two, `make test-full` all six.
+@pytest.mark.parametrize("sentence", [pytest.param(s, marks=() if i < 2 else pytest.mark.full)
+                                      for i, s in enumerate(speech.SENTENCES)])
 def test_transcribes_synthesized_speech(whisper, recordings, sentence):
     import time
     W, tok, ids = whisper
