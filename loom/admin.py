@@ -98,24 +98,14 @@ def _residency_target(server, request):
 
 def activate_model(server, request):
     reg, component = _residency_target(server, request)
-    if component == "primary":
-        reg.deactivate_when_idle = False
-        server.registry.activate(reg)
-    else:
-        server.registry.activate_component(reg, component)
+    reg.deactivate_when_idle.discard(component)
+    server.registry.activate(reg, name=component)
     return Response.json({"model": reg.name, "component": component, "operation": "activate"}, 202)
 
 
 def deactivate_model(server, request):
     reg, component = _residency_target(server, request)
-    if component != "primary":
-        # No request projects images yet (chat's image parts are the next step of issue 20),
-        # so an extra component has no users to wait for: it leaves at once.
-        server.registry.deactivate_component(reg, component)
-    elif reg.in_flight or reg.restoring is not None:
-        reg.deactivate_when_idle = True   # after the drained work finishes
-    else:
-        server.registry.deactivate(reg)
+    server.registry.deactivate_when_unused(reg, component)
     return Response.json({"model": reg.name, "component": component, "operation": "deactivate"}, 202)
 
 

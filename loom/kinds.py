@@ -110,6 +110,7 @@ class Kind:
 class Job:
     what = "request"
     resident = True     # start() needs the parameters on the device
+    components = ()     # extra residency components it needs resident too (a chat's images: "image")
 
     def __init__(self, server, reg, request):
         self.server, self.reg, self.request = server, reg, request

@@ -190,12 +190,13 @@ class Registration:
         self.pinned = False
         self.pinned_components = set()   # extra components (a text model's "image") pinned on their own
         self.last_used = time.monotonic()
-        self.restoring = None       # callbacks waiting for parameters to return
+        self.restoring = {}         # component -> callbacks waiting for its parameters to return
         # Admission: jobs waiting at the gate (drained, FIFO) and jobs admitted.
         self.waiting = []
         self.jobs = set()
         self.removing = None        # "drain" | "abort" once unregistered
-        self.deactivate_when_idle = False
+        self.deactivate_when_idle = set()   # components asked to leave once unused and not streaming back
+        self.users = {}             # extra component -> jobs using it (the primary's count is in_flight)
         self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
         self.staging = 0            # staged variants still compiling: they hold the compiler's model ownership
         self.restores = 0           # parameter uploads on a worker: the registration goes only after them
@@ -629,95 +630,105 @@ class Registry:
                 raise ValueError(f"{path}: model document {i}: {e.message}") from None
 
     # -- residency -----------------------------------------------------------
-    def acquire(self, reg, ready):
-        """Count a use of reg's parameters; ready(error) once they are resident
-        (at once if they are, after streaming them back if they were evicted)."""
+    # A registration's residency components: "primary" (reg.prepared) and its extra ones
+    # (reg.prepared.components, a text model's "image"). Each leaves the device (deactivate,
+    # memory pressure) only while nothing uses it, and streams back on demand, exactly as
+    # preparation uploaded it (runtime.Prepared.restore).
+    @staticmethod
+    def _part(reg, name):
+        p = reg.prepared
+        return None if p is None else p if name == "primary" else p.components.get(name)
+
+    @staticmethod
+    def _used(reg, name):
+        return reg.in_flight if name == "primary" else reg.users.get(name, 0)
+
+    def acquire(self, reg, ready, components=()):
+        """Count a use of reg's parameters and of the extra `components` a job needs (a chat's
+        images: "image"); ready(error) once all are resident (at once if they are, after
+        streaming the evicted ones back if not)."""
         with reg.lock:
-            if reg.prepared is not None and reg.prepared.resident:
+            missing = next((name for name in ("primary", *components)
+                            if (part := self._part(reg, name)) is None or not part.resident), None)
+            if missing is None:
                 reg.in_flight += 1
+                for name in components:
+                    reg.users[name] = reg.users.get(name, 0) + 1
                 reg.last_used = time.monotonic()
-                acquired = True
-            else:
-                acquired = False
-        if acquired:
+        if missing is None:
             ready(None)
         else:
-            self.activate(reg, lambda error: ready(error) if error else self.acquire(reg, ready))
+            self.activate(reg, lambda error: ready(error) if error else self.acquire(reg, ready, components), missing)
 
-    def release_use(self, reg):
+    def release_use(self, reg, components=()):
         with reg.lock:
             reg.in_flight -= 1
+            for name in components:
+                reg.users[name] -= 1
             reg.last_used = time.monotonic()
-        if reg.in_flight == 0 and reg.deactivate_when_idle:
-            reg.deactivate_when_idle = False
-            self.deactivate(reg)
+        for name in ("primary", *components):
+            self._deactivate_if_wanted(reg, name)
 
-    def activate(self, reg, done=None):
-        """Stream evicted parameters back (on a worker); done(error) on the loop."""
+    def deactivate_when_unused(self, reg, name="primary"):
+        """Deactivation as an administrator asks for it: now, or once the drained work
+        still using the component and any upload of it under way are done."""
+        reg.deactivate_when_idle.add(name)
+        self._deactivate_if_wanted(reg, name)
+
+    def _deactivate_if_wanted(self, reg, name):
+        """A deactivation asked for while `name` was in use or streaming back happens once it is neither."""
+        if name in reg.deactivate_when_idle and not self._used(reg, name) and name not in reg.restoring:
+            reg.deactivate_when_idle.discard(name)
+            self.deactivate(reg, name)
+
+    def activate(self, reg, done=None, name="primary"):
+        """Stream a component's evicted parameters back from its own checkpoint (on a
+        worker; only that component's weights move); done(error) on the loop."""
         waiters = [done] if done else []
-        if reg.restoring is not None:
-            reg.restoring += waiters
+        if name in reg.restoring:
+            reg.restoring[name] += waiters
             return
-        if reg.prepared is None or reg.prepared.resident:
+        part = self._part(reg, name)
+        if part is None or part.resident:
             for fn in waiters:
-                fn(None if reg.prepared is not None else RuntimeError(f"{reg.name} is not prepared"))
+                fn(None if part is not None else RuntimeError(f"{reg.name} is not prepared"))
             return
-        reg.restoring = waiters
-        checkpoint = reg.files.checkpoint
-        log.info("activating %s", reg.name, extra={"event": "activating", "model": reg.name})
+        reg.restoring[name] = waiters
+        checkpoint = reg.files.checkpoint if name == "primary" else reg.files.components[name][2]
+        label = reg.name if name == "primary" else f"{reg.name}/{name}"
+        component = {} if name == "primary" else {"component": name}
+        log.info("activating %s", label, extra={"event": "activating", "model": reg.name, **component})
 
         def restored(_result, error):
-            callbacks, reg.restoring = reg.restoring, None
+            callbacks = reg.restoring.pop(name)
             if error is not None:
-                log.error("activating %s failed: %s", reg.name, error, extra={"event": "activate_failed",
-                                                                               "model": reg.name})
+                log.error("activating %s failed: %s", label, error, extra={"event": "activate_failed",
+                                                                         "model": reg.name, **component})
             for fn in callbacks:
                 fn(error)
+            self._deactivate_if_wanted(reg, name)
             self._restored(reg)
 
         reg.restores += 1
-        self.server.loop.run_in_executor(reg.prepared.restore, restored, checkpoint)
+        self.server.loop.run_in_executor(lambda: part.restore(checkpoint), restored)
 
     def _restored(self, reg):
         # An unregistration that came while the upload ran releases what it charged now.
         reg.restores -= 1
         self._retire_if_idle(reg)
 
-    def deactivate(self, reg):
-        """Evict reg's parameters now if nothing is using them; returns the bytes freed."""
+    def deactivate(self, reg, name="primary"):
+        """Evict a component's parameters now if nothing is using them or streaming them
+        back (the other components' stay); returns the bytes freed."""
         with reg.lock:
-            if reg.prepared is None or reg.in_flight or reg.restoring is not None:
+            part = self._part(reg, name)
+            if part is None or self._used(reg, name) or name in reg.restoring:
                 return 0
-            freed = reg.prepared.evict()
-        log.info("deactivated %s: %d bytes", reg.name, freed,
-                 extra={"event": "deactivated", "model": reg.name, "bytes": freed})
-        return freed
-
-    def activate_component(self, reg, name, done=None):
-        """Stream an extra component's evicted parameters back from its own checkpoint
-        (on a worker); done(error) on the loop. Only that component's weights move."""
-        part = reg.prepared.components[name]
-        if part.resident:
-            if done:
-                done(None)
-            return
-        log.info("activating %s/%s", reg.name, name, extra={"event": "activating", "model": reg.name,
-                                                            "component": name})
-        def restored(_result, error):
-            if done:
-                done(error)
-            self._restored(reg)
-
-        reg.restores += 1
-        self.server.loop.run_in_executor(lambda: part.restore(reg.files.components[name][2]), restored)
-
-    def deactivate_component(self, reg, name):
-        """Evict an extra component's parameters (the primary's stay); returns the bytes freed."""
-        with reg.lock:
-            part = reg.prepared.components.get(name) if reg.prepared is not None else None
-            freed = part.evict() if part is not None else 0
-        log.info("deactivated %s/%s: %d bytes", reg.name, name, freed,
-                 extra={"event": "deactivated", "model": reg.name, "component": name, "bytes": freed})
+            freed = part.evict()
+        label = reg.name if name == "primary" else f"{reg.name}/{name}"
+        log.info("deactivated %s: %d bytes", label, freed,
+                 extra={"event": "deactivated", "model": reg.name, "bytes": freed,
+                        **({} if name == "primary" else {"component": name})})
         return freed
 
     def _evict_for(self, needed, requester):
@@ -730,7 +741,7 @@ class Registry:
         for reg in candidates:
             for name in reg.prepared.components:
                 if freed < needed and name not in reg.pinned_components:
-                    freed += self.deactivate_component(reg, name)
+                    freed += self.deactivate(reg, name)
             if freed < needed and not reg.pinned:
                 freed += self.deactivate(reg)
         return freed
@@ -785,7 +796,7 @@ class Registry:
     def _start(self, reg, job):
         reg.jobs.add(job)
         if job.resident:
-            self.acquire(reg, job.start)
+            self.acquire(reg, job.start, job.components)
         else:
             job.start(None)     # control work on retained state: the weights need not be resident
 
@@ -793,7 +804,7 @@ class Registry:
         """A job is done with the device (its accepted work has retired)."""
         reg.jobs.discard(job)
         if acquired:
-            self.release_use(reg)
+            self.release_use(reg, job.components)
         self._retire_if_idle(reg)
 
     def staged(self, reg, delta):

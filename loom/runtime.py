@@ -15,6 +15,7 @@ of enqueues on the device's in-order queue.
 """
 
 import collections
+import hashlib
 import itertools
 import math
 import os
@@ -218,6 +219,12 @@ class Prepared:
         self.tokenizer = None         # from the asset directory or the checkpoint, when either has one
         self.preserved = []           # (role, name, bytes) of the prepare and control modules variants keep
         self.components = {}          # name -> Prepared: a document's extra components (a text model's "image")
+        # What restore needs to upload exactly what preparation did: the kind's extension of the
+        # checkpoint (LoRA packs: not in the checkpoint, so a restore must derive them again), the
+        # digests of what it derived then, and the identity of the checkpoint files read.
+        self.extend = None
+        self.extended = {}            # derived tensor name -> digest of its float32 bytes
+        self.files = {}               # checkpoint file -> (device, inode, size, mtime_ns)
 
     @property
     def policy(self):
@@ -324,17 +331,23 @@ class Prepared:
         return freed
 
     def restore(self, checkpoint_path, progress=None):
-        """Stream the parameters back from the checkpoint (a worker thread)."""
+        """Stream the parameters back from the checkpoint (a worker thread), exactly as
+        preparation uploaded them: the same files (else PrepareError: a checkpoint replaced
+        on disk needs a new registration, never a silent change of results) and the same
+        derived tensors, derived again by the kind's extension."""
         try:
             checkpoint = weights.open_checkpoint(checkpoint_path)
         except (weights.WeightsError, OSError) as e:
             raise PrepareError(str(e), "checkpoint") from None
         with checkpoint:
-            try:
-                _upload_params(self, checkpoint, progress)
-            except BaseException:
-                self.evict()
-                raise
+            now = _file_identities(checkpoint)
+            if now != self.files:
+                changed = sorted(set(now) ^ set(self.files)) or [f for f in now if now[f] != self.files[f]]
+                raise PrepareError(f"{changed[0]} changed on disk since the model was prepared; register it "
+                                   "again to serve the new file", "checkpoint")
+            if self.extend is not None:
+                _extend(checkpoint, checkpoint_path, self.extend, self.extended)
+            _upload_params(self, checkpoint, progress)     # all or nothing
 
     def release(self):
         """Free everything this deployment holds on the device (its components too), and its variants' pins."""
@@ -622,10 +635,8 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
     except (weights.WeightsError, OSError) as e:
         raise PrepareError(str(e), "checkpoint") from None
     with checkpoint:
-        if extend is not None:
-            arrays, extra = extend(checkpoint)
-            checkpoint.add_arrays(arrays, f"{checkpoint_path}#extended")
-            checkpoint.metadata.update(extra)
+        files = _file_identities(checkpoint)
+        extended = _extend(checkpoint, checkpoint_path, extend) if extend is not None else {}
         tensors = {n: vm.Tensor(t.shape, t.dtype) for n, t in checkpoint.tensors.items()}
         metadata = dict(checkpoint.metadata)
         metadata.update(_flatten(metadata.get("config", {}), "config."))
@@ -637,6 +648,7 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
         sources = kernel_sources(module, compiler, includes)
         prepared = Prepared(name, module, binding, device, compiler, sources)
         prepared.preserved = preserved
+        prepared.extend, prepared.extended, prepared.files = extend, extended, files
         prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint, assets)
         try:
             _upload(prepared, checkpoint, progress)
@@ -644,6 +656,33 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
             prepared.release()
             raise
     return prepared
+
+
+def _extend(checkpoint, checkpoint_path, extend, expected=None):
+    """Add the kind's derived tensors (extend(checkpoint) -> (arrays, metadata)) to an open
+    checkpoint; -> their digests. With `expected` (a restore), tensors that differ from the
+    ones preparation derived (an adapter file replaced since) raise PrepareError."""
+    arrays, extra = extend(checkpoint)
+    digests = {name: hashlib.blake2b(np.ascontiguousarray(a, "<f4").tobytes(), digest_size=16).digest()
+               for name, a in arrays.items()}
+    if expected is not None and digests != expected:
+        raise PrepareError("the tensors derived from the model's files at preparation (its LoRA adapters) "
+                           "changed on disk since; register it again to serve the new files", "checkpoint")
+    checkpoint.add_arrays(arrays, f"{checkpoint_path}#extended")
+    checkpoint.metadata.update(extra)
+    return digests
+
+
+def _file_identities(checkpoint):
+    """file -> (device, inode, size, mtime_ns) of every file a checkpoint's tensors come from."""
+    out = {}
+    for f in sorted({t.file for t in checkpoint.tensors.values()}):
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue        # an in-memory store (ONNX's decoded initializers, derived tensors)
+        out[f] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
 
 
 def _upload(prepared, checkpoint, progress):
@@ -662,25 +701,34 @@ def state_bytes(binding, state):
 
 
 def _upload_params(prepared, checkpoint, progress):
+    """Upload every param, then publish them at once: a deployment is resident only with
+    all its params (a request admitted during a restore must not find half of them)."""
     binding, pool = prepared.binding, prepared.device.pool
     own = [bp for bp in binding.params.values() if bp.alias is None]
     total = sum(storage_bytes(bp.shape, bp.storage, bp.tiled) for bp in own)
     done = 0
-    for bp in own:
-        info = checkpoint.tensors.get(bp.tensor)
-        if info is None or tuple(info.shape) != bp.shape:
-            raise PrepareError(f"tensor {bp.tensor!r} changed since the module was bound", "checkpoint")
-        array = _device_array(checkpoint, bp.tensor, bp.storage, bp.tiled)
-        prepared.params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
-        done += array.nbytes
-        if progress:
-            progress(done, total)
+    params = {}
+    try:
+        for bp in own:
+            info = checkpoint.tensors.get(bp.tensor)
+            if info is None or tuple(info.shape) != bp.shape:
+                raise PrepareError(f"tensor {bp.tensor!r} changed since the module was bound", "checkpoint")
+            array = _device_array(checkpoint, bp.tensor, bp.storage, bp.tiled)
+            params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
+            done += array.nbytes
+            if progress:
+                progress(done, total)
+    except BaseException:
+        for buf in params.values():
+            buf.release()
+        raise
     for key, bp in binding.params.items():
         if bp.alias is not None:
             target = bp.alias
             while binding.params[target].alias is not None:
                 target = binding.params[target].alias
-            prepared.params[key] = prepared.params[target]
+            params[key] = params[target]
+    prepared.params = params
 
 
 def _tokenizer(checkpoint_path, checkpoint, assets):

@@ -251,7 +251,7 @@ def _validated(server, request):
         return vision.tokens(tok, policy.render(shown, tools, thinking, model_options=options), marks, parts,
                              component, context)
 
-    return body, reg, policy, prompt
+    return body, reg, policy, prompt, bool(parts)
 
 
 SESSION_NAME = registry.NAME   # sessions and checkpoints are named like deployments
@@ -267,7 +267,7 @@ def _name_header(request, header):
 def chat_completions(server, request):
     session = _name_header(request, "X-Loom-Session")
     checkpoint = _name_header(request, "X-Loom-Checkpoint")
-    body, reg, policy, prompt = _validated(server, request)
+    body, reg, policy, prompt, images = _validated(server, request)
     stream = bool(body.get("stream"))
     choice = body.get("tool_choice", "auto")
     temperature, top_p, top_k = _sampling(policy, body)
@@ -280,6 +280,8 @@ def chat_completions(server, request):
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
                   body.get("enable_thinking"), choice != "none", session, cp, stop=body.get("stop"))
+    if images:
+        job.components = ("image",)     # its images are projected by the image component's weights
     return _enter(server, reg, job)
 
 
@@ -299,7 +301,7 @@ def input_tokens(server, request):
         if request.header(header) is not None:
             raise Error(400, f"{header} selects retained state; counting is stateless", "unsupported_header",
                             header)
-    body, reg, policy, prompt = _validated(server, request)
+    body, reg, policy, prompt, _images = _validated(server, request)
     if reg.engine.counting >= reg.doc["pending_capacity"]:
         raise Error(503, f"model {reg.name!r} has a full counting queue", "queue_full", "model")
     reg.engine.counting += 1
