@@ -16,7 +16,8 @@ import threading
 import time
 
 from . import cache_folder, jsonin, language, open_regular, proving, runtime, tokenizer
-from .errors import Error, Problem
+from .errors import Error, Problem, withhold
+from .logs import PRIVATE
 from .jsonin import Arr, Bool, Enum, Int, Map, Num, Obj, Str
 
 log = logging.getLogger("loom.registry")
@@ -106,6 +107,13 @@ class Files:
                            for name, c in doc.get("components", {}).items()}
         self.assets = self._assets(doc, base, package)
         self.includes = self.include_reader(base, package)
+        # Whether diagnostics may quote the code (every source, prepare/control module and include
+        # an uploaded member: the client's own bytes) and the metadata; else what a reader says
+        # about a server file is withheld (errors.withhold).
+        self.quotable = package is not None and not self.sources and all(
+            data is not None for _, _, data in self.preserved) and not any(
+            paths for paths, _, _ in self.components.values())
+        self.quotable_assets = package is not None and not os.path.isabs(doc.get("assets") or doc["checkpoint"])
 
     @classmethod
     def _modules(cls, refs, base, package, param):
@@ -247,6 +255,26 @@ class Registration:
             "batching": {k: engine[k] for k in ("cohorts", "requests")} if engine else None,
             "scheduler": engine,
         }
+
+
+def checked(fn, public):
+    """fn(), a Problem it raises withheld (errors.withhold) unless it quotes nothing."""
+    try:
+        fn()
+    except Problem as e:
+        raise withhold(e, public) from None
+
+
+def probe_problem(failure, quotable):
+    """A ProbeFailed as a client may see it: whole for uploaded code, else withheld (a build log,
+    a plan's or a trial's message name what the server's source files say)."""
+    failed = failure.result
+    text = failure.message if failed is None else f"{failed.name}: {failed.message}\n{failed.log}"
+    if quotable:
+        return Problem(text, failure.code, quotes=False)
+    public = {"compile": "a kernel does not build", "plan": "a probe geometry does not plan"}.get(
+        failure.code, "a kernel's trial run failed")
+    return withhold(Problem(text, failure.code), f"{public} ({failure.code})")
 
 
 class ProbeFailed(Problem):
@@ -467,15 +495,20 @@ class Registry:
             prepared = runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
                                        progress, loaded=files.loaded, preserved=files.preserved,
                                        assets=files.assets, includes=files.includes,
-                                       extend=reg.kind.extend(reg.doc, options, files.checkpoint))
+                                       extend=reg.kind.extend(reg.doc, options, files.checkpoint),
+                                       quotable=files.quotable, quotable_assets=files.quotable_assets)
             try:
-                reg.kind.check(prepared)
+                # What a kind finds wrong reads the checkpoint's metadata and config (server files).
+                checked(lambda: reg.kind.check(prepared), f"the prepared package cannot serve a {reg.kind.name} "
+                                                          "deployment")
                 for name, (sources, loaded, checkpoint) in files.components.items():
                     component_options = dict(reg.doc["components"][name].get("options") or {})
                     part = runtime.prepare(f"{reg.name}/{name}", sources, checkpoint, component_options, device,
-                                           self.compiler, loaded=loaded, includes=files.includes)
+                                           self.compiler, loaded=loaded, includes=files.includes,
+                                           quotable=files.quotable)
                     prepared.components[name] = part
-                    reg.kind.contracts[name].check(prepared, part)
+                    checked(lambda: reg.kind.contracts[name].check(prepared, part),
+                            f"the {name} component cannot serve with this {reg.kind.name} model")
             except BaseException:
                 prepared.release()
                 raise
@@ -489,7 +522,11 @@ class Registry:
             if error is not None:
                 self.server.loop.call_soon(self._prepared, reg)
                 code = error.code if isinstance(error, Problem) else "internal"
-                self._failed(reg, code, getattr(error, "message", None) or f"{type(error).__name__}: {error}")
+                if not isinstance(error, Problem) or error.quotes:
+                    # not a reader's error: an unexpected one, which may hold anything it read
+                    error = withhold(error if isinstance(error, Problem) else Problem(f"{type(error).__name__}: {error}"),
+                                     "preparation failed", code=code)
+                self._failed(reg, code, error.message, error.private)
                 if reg.removing:
                     self._remove(reg)
                 return
@@ -527,9 +564,8 @@ class Registry:
                 self._ready(reg, prepared)
                 return
             prepared.release()
-            failed = failure.result
-            self._failed(reg, failure.code, failure.message if failed is None
-                         else f"{failed.name}: {failed.message}\n{failed.log}")
+            problem = probe_problem(failure, reg.files.quotable)
+            self._failed(reg, problem.code, problem.message, problem.private)
             self.server.loop.call_soon(self._prepared, reg)
             if reg.removing:
                 self._remove(reg)
@@ -582,13 +618,15 @@ class Registry:
         for job in waiting:
             job.fail(error)
 
-    def _failed(self, reg, code, message):
+    def _failed(self, reg, code, message, private=None):
+        """The registration fails with `message` (public: /v1/status, answers, /logz); `private`,
+        the whole diagnostic about server files, goes to the server's standard error alone."""
         if reg.deadline is not None:
             self.server.loop.cancel_timer(reg.deadline)
         reg.transition("failed")
         reg.error = {"code": code, "message": message}
         log.error("preparing %s failed (%s): %s", reg.name, code, message,
-                  extra={"event": "prepare_failed", "model": reg.name, "code": code})
+                  extra={"event": "prepare_failed", "model": reg.name, "code": code, PRIVATE: private})
         self._settle(reg)
 
     def watch_catalog(self, done):
@@ -703,7 +741,8 @@ class Registry:
             callbacks = reg.restoring.pop(name)
             if error is not None:
                 log.error("activating %s failed: %s", label, error, extra={"event": "activate_failed",
-                                                                         "model": reg.name, **component})
+                                                                         "model": reg.name, **component,
+                                                                         PRIVATE: getattr(error, "private", None)})
             for fn in callbacks:
                 fn(error)
             self._deactivate_if_wanted(reg, name)

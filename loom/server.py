@@ -25,7 +25,7 @@ from . import __version__, routes
 from ._native.framing import FramingError, RequestParser
 from .errors import Error, Problem
 from .http import Deferred, Request, Response, Stream
-from .logs import LogRing, RingHandler
+from .logs import LogRing, OperatorFormatter, RingHandler
 from .loop import Loop
 from .metrics import Registry
 from .registry import Registry as Models, first_line
@@ -693,6 +693,6 @@ def configure_logging(level, ring):
     root.setLevel(level.upper())
     if not root.handlers:
         stderr = logging.StreamHandler()
-        stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        stderr.setFormatter(OperatorFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(stderr)
     root.addHandler(RingHandler(ring))

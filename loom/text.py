@@ -32,6 +32,7 @@ from .chat import ChatPolicy, StopText, ToolCallError
 from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str, Tagged
+from .logs import PRIVATE
 from .scheduler import Refused, Sequence, TextEngine, trial_pages
 
 log = logging.getLogger("loom.text")
@@ -868,9 +869,11 @@ class ChatEngine(TextEngine):
         except ValueError as e:
             self.chat = e       # a deployment without chat framing still tokenizes and pins
         if getattr(self.chat, "template_problem", None):
-            log.warning("%s: the checkpoint's chat template cannot be used (%s); the package's %s roles frame "
-                        "its chats", reg.name, self.chat.template_problem, self.chat.name,
-                        extra={"event": "chat_template_unusable", "model": reg.name})
+            # (why quotes the checkpoint's template, a server file: the operator's stderr alone has it)
+            log.warning("%s: the checkpoint's chat template cannot be used; the package's %s roles frame "
+                        "its chats", reg.name, self.chat.name,
+                        extra={"event": "chat_template_unusable", "model": reg.name,
+                               PRIVATE: self.chat.template_problem})
         self.counting = 0
         self.policy_waiting = collections.deque()
         self.policy_busy = False

@@ -312,8 +312,11 @@ class ImageInput(kinds.Component):
             raise Problem(f"the image component's package lacks the specs {', '.join(missing)}", "contract")
         width, expected = component.spec("TEXT_D"), primary.spec("D")
         if width != expected:
-            raise Problem(f"the image component projects to {width} channels; the text model's embeddings "
-                          f"have {expected}", "contract")
+            # the widths come from the checkpoints (server files): the operator's stderr has them
+            raise Problem("the image component's projection width (its spec TEXT_D) is not the text model's "
+                          "embedding width (its spec D)", "contract", quotes=False,
+                          private=f"the image component projects to {width} channels; the text model's embeddings "
+                                  f"have {expected}")
         config = component.binding.metadata.get("preprocessor") or {}
         tile = config.get("max_image_size", {}).get("longest_edge", component.spec("TILE"))
         if tile != component.spec("TILE"):
