@@ -250,6 +250,11 @@ def stage_variant(server, request):
                             "sources")
         else:
             paths.append(runtime.resolve(directory, source) if directory else source)
+    # Every server file it names, and the folder its #includes come from, inside the model roots.
+    if directory is not None:
+        server.registry.confined("base_directory", directory)
+    for path in paths:
+        server.registry.confined("sources", path)
     # Staging keeps the uploaded bytes only until its executables are built.
     includes = registry.Files.include_reader(directory, package)
     # Diagnostics may quote the sources only when they are all the client's (an uploaded package's).

@@ -14,7 +14,7 @@ Every error body is {"error": {"message", "type", "param", "code"}} (DESIGN.md
 
 # The envelope's `type` follows the status family, as OpenAI clients expect.
 ERROR_TYPES = {
-    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    400: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
     408: "timeout_error", 409: "conflict_error", 410: "gone_error", 411: "invalid_request_error",
     413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
     422: "unprocessable_entity_error", 429: "rate_limit_error", 431: "invalid_request_error",

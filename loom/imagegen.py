@@ -495,16 +495,30 @@ class Image(kinds.Kind):
             raise Problem("option loras must map adapter ids to .safetensors paths", "invalid_option")
         return out
 
-    def extend(self, doc, options, checkpoint_path):
+    def _adapters(self, options, checkpoint_path):
+        """(id, server path) of the document's LoRA adapters: absolute, or beside the checkpoint."""
         loras = options.get("loras") or {}
-        if not loras:
-            return None
         folder = checkpoint_path if os.path.isdir(checkpoint_path) else os.path.dirname(checkpoint_path)
         entries = []
         for name, path in loras.items():
             if not os.path.isabs(path) and ".." in path.replace("\\", "/").split("/"):
-                raise Problem(f"adapter {name!r}: {path!r} leaves the model's folder", "invalid_option")
+                raise Problem(f"adapter {name!r}: {path!r} leaves the model's folder", "invalid_option", quotes=False)
             entries.append((name, path if os.path.isabs(path) else os.path.join(folder, path)))
+        return entries
+
+    def server_files(self, doc, checkpoint_path):
+        loras = (doc.get("options") or {}).get("loras")
+        if not isinstance(loras, dict) or not all(isinstance(v, str) for v in loras.values()):
+            return []       # options() refuses it at preparation
+        try:
+            return [(f"options.loras.{name}", path) for name, path in self._adapters({"loras": loras}, checkpoint_path)]
+        except Problem:
+            return []       # an adapter leaving the model's folder: preparation refuses it by name
+
+    def extend(self, doc, options, checkpoint_path):
+        if not options.get("loras"):
+            return None
+        entries = self._adapters(options, checkpoint_path)
         from . import lora
 
         return lambda checkpoint: lora.pack(entries, {n: t.shape for n, t in checkpoint.tensors.items()})

@@ -14,6 +14,7 @@ never branches on a kind's name. What a kind says about itself:
     options(doc, options)  preparation options it derives from the document (the KV pool)
     extend(doc, o, path)   None, or a function adding tensors to the checkpoint before binding
                            (the image kind packs the document's LoRA adapters this way)
+    server_files(doc, path) the server files it reads beyond the document's locators (confined)
     check(prepared)        raises a Problem when the prepared package cannot serve this kind
                            (the registration fails with its code and message)
     components(prepared)   its residency components ("primary", and e.g. "image")
@@ -85,6 +86,11 @@ class Kind:
         """None, or extend(checkpoint) -> (arrays, metadata): tensors computed from the
         document that the package binds like the checkpoint's own (see runtime.prepare)."""
         return None
+
+    def server_files(self, doc, checkpoint_path):
+        """(document field, server path) of the files it reads beyond the document's own
+        locators (the image kind's LoRA adapters): registration confines them to the model roots."""
+        return []
 
     def trial(self, binding, command, geometry):
         return None

@@ -15,7 +15,8 @@ import re
 import threading
 import time
 
-from . import cache_folder, jsonin, language, open_regular, proving, runtime, tokenizer
+from . import cache_folder, confine, jsonin, language, model_roots, open_regular, outside_roots, proving, runtime, \
+    tokenizer
 from .errors import Error, Problem, withhold
 from .logs import PRIVATE
 from .jsonin import Arr, Bool, Enum, Int, Map, Num, Obj, Str
@@ -114,6 +115,21 @@ class Files:
             data is not None for _, _, data in self.preserved) and not any(
             paths for paths, _, _ in self.components.values())
         self.quotable_assets = package is not None and not os.path.isabs(doc.get("assets") or doc["checkpoint"])
+        self.base, self.package, self.doc = base, package, doc
+
+    def server_paths(self):
+        """(document field, server path) of every server file or folder the registration reads."""
+        # base_directory first: a relative path's escape is told of the folder it escapes
+        out = [("base_directory", self.base)] if self.package is None and self.base is not None else []
+        out += [("checkpoint", self.checkpoint)]
+        out += [(role, path) for role, path, data in self.preserved if data is None]
+        out += [("sources", path) for path in self.sources]
+        for name, (paths, _, checkpoint) in self.components.items():
+            out += [(f"components.{name}.sources", p) for p in paths] + [(f"components.{name}.checkpoint", checkpoint)]
+        assets = self.doc.get("assets")
+        if assets is not None and not self.quotable_assets:
+            out.append(("assets", runtime.resolve(self.base, assets)))
+        return out
 
     @classmethod
     def _modules(cls, refs, base, package, param):
@@ -139,6 +155,8 @@ class Files:
 
         def read(name):
             path = os.path.join(base, name)
+            if outside_roots(path):     # (a symlink out of the roots: refused, not probed)
+                raise OSError(f"{path} resolves outside the model roots (--model_root)")
             if not os.path.isfile(path):
                 return None
             with open_regular(path) as f:
@@ -361,6 +379,7 @@ class Registry:
         # and a finished model is evictable while the next one loads.
         self.to_prepare = []
         self.preparing = None
+        self.previous_roots = None      # the confinement before this server's (restored by close)
 
     # -- device --------------------------------------------------------------
     def open_device(self):
@@ -421,9 +440,11 @@ class Registry:
                 for row in self.device.devices]
 
     # -- lifecycle -----------------------------------------------------------
-    def register(self, doc, base_directory=None, package=None):
+    def register(self, doc, base_directory=None, package=None, trusted=False):
         """Validate and start preparing. `doc` is parsed JSON; `package` an uploaded
-        source package whose members relative sources name. Raises Error."""
+        source package whose members relative sources name; `trusted`: the start-up
+        catalog's (its folders are model roots), else every server path it names must
+        resolve inside the model roots (403). Raises Error."""
         try:
             doc = self.document.validate(doc)
         except jsonin.JSONInputError as e:
@@ -459,6 +480,9 @@ class Registry:
         if base is None and any(not os.path.isabs(p) for p in located):
             raise Error(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
         files = Files(doc, base, package)
+        if not trusted:
+            for param, path in files.server_paths() + kind.server_files(doc, files.checkpoint):
+                self.confined(param, path)
         reg = Registration(doc, kind, base)
         reg.package, reg.files = package, files
         reg.loop, reg.trial_timeout = self.server.loop, cfg.trial_timeout
@@ -659,13 +683,39 @@ class Registry:
         if not isinstance(catalog, list):
             raise ValueError(f"{path}: a catalog is a JSON list of model documents or {{\"models\": [...]}}")
         folder = os.path.dirname(os.path.abspath(path))
-        for i, doc in enumerate(catalog):
-            if isinstance(doc, dict) and isinstance(doc.get("base_directory"), str):
-                doc = dict(doc, base_directory=os.path.join(folder, doc["base_directory"]))
+        docs = [dict(doc, base_directory=os.path.join(folder, doc["base_directory"]))
+                if isinstance(doc, dict) and isinstance(doc.get("base_directory"), str) else doc for doc in catalog]
+        self.load_documents(docs, folder, path)
+
+    def load_documents(self, docs, folder=None, path="the default catalog"):
+        """Register the start-up catalog's documents. They are the operator's own: their
+        folders become model roots (set before anything is read) and they are not checked."""
+        self.set_roots(catalog_folders(docs, folder) + ([folder] if folder else []))
+        for i, doc in enumerate(docs):
             try:
-                self.register(doc, folder).from_catalog = True
+                self.register(doc, folder, trusted=True).from_catalog = True
             except Error as e:
                 raise ValueError(f"{path}: model document {i}: {e.message}") from None
+
+    def set_roots(self, catalog):
+        """Confine the server's file reads to the model roots: --model_root (default: Loom's
+        cache folder), Loom's shipped packages and kernels, and the catalog's own folders."""
+        from . import resource
+        cfg = self.server.config
+        chosen = list(cfg.model_root) if cfg.model_root is not None else [cache_folder("")]
+        for root in cfg.model_root or ():
+            if not os.path.isdir(root):
+                raise ValueError(f"--model_root {root}: not a directory")
+        roots = chosen + [resource("models"), resource("opencl")] + catalog
+        self.previous_roots = confine(roots)
+        log.info("model roots: %s", ", ".join(model_roots()), extra={"event": "model_roots",
+                                                                    "roots": list(model_roots())})
+
+    def confined(self, param, path):
+        """403 before anything is read when a server path resolves outside the model roots."""
+        if outside_roots(path):
+            raise Error(403, f"{param} {path!r} resolves outside the server's model roots (--model_root); the "
+                             "server reads no file there", "outside_model_root", param)
 
     # -- residency -----------------------------------------------------------
     # A registration's residency components: "primary" (reg.prepared) and its extra ones
@@ -929,8 +979,32 @@ class Registry:
             if reg.prepared is not None:
                 reg.prepared.release()
                 reg.prepared = None
+        confine(self.previous_roots)
 
 
+
+
+def catalog_folders(docs, folder):
+    """The folders a catalog's documents name (base_directory, and the folder of every server
+    path they hold: checkpoints, sources, assets, components, a kind's extra files)."""
+    out = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            continue
+        base = doc.get("base_directory") if isinstance(doc.get("base_directory"), str) else folder
+        refs = [doc.get(f) for f in ("checkpoint", "prepare", "control", "assets")] + list(doc.get("sources") or [])
+        for component in (doc.get("components") or {}).values():
+            if isinstance(component, dict):
+                refs += [component.get("checkpoint")] + list(component.get("sources") or [])
+        loras = ((doc.get("options") or {}).get("loras") or {}) if isinstance(doc.get("options"), dict) else {}
+        refs += [v for v in loras.values() if isinstance(v, str) and os.path.isabs(v)] if isinstance(loras, dict) else []
+        if base:
+            out.append(base)
+        for ref in refs:
+            if isinstance(ref, str) and ref and (base or os.path.isabs(ref)):
+                path = runtime.resolve(base, ref) if base else ref
+                out.append(path if os.path.isdir(path) else os.path.dirname(path))
+    return out
 
 
 def first_line(text, chars=300):

@@ -901,6 +901,11 @@ def kernel_sources(module, compiler, includes=None, quotable=False):
         try:
             sources[kernel.name] = (compiler.library_source(kernel.library[:-3]) if kernel.library
                                     else language.include_files(kernel.name, kernel.source, read))
+        except OSError as e:        # an include refused (outside the model roots) or unreadable
+            if quotable:
+                raise PrepareError(str(e), "source", quotes=False) from None
+            raise withhold(e, "a kernel's #include cannot be read (outside the model roots, or unreadable)",
+                           PrepareError, "source") from None
         except ValueError as e:     # LoomError too
             if quotable:
                 raise PrepareError(f"kernel {kernel.name}: {e}", "source", quotes=False) from None

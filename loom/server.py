@@ -60,6 +60,9 @@ class Config:
     prepare_timeout: float = 600.0          # seconds a preparation may take before it fails
     trial_timeout: float = 60.0             # seconds a package's trial run may take (proving.py)
     kernel_cache: str | None = None         # folder of built kernels kept across starts; "" for none
+    # Folders whose files a client may name for a model (registration, staging, includes); None:
+    # Loom's cache folder. The start-up catalog's own folders and Loom's shipped packages are always roots.
+    model_root: list | None = None
 
 
 class Listener:
@@ -514,8 +517,7 @@ class Server:
                 self.registry.load_catalog(self.config.models)
             else:
                 from . import demo
-                for doc in demo.catalog():
-                    self.registry.register(doc).from_catalog = True
+                self.registry.load_documents(demo.catalog())
         except (OSError, ValueError):
             for listener in self.listeners:
                 listener.close()

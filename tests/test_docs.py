@@ -26,7 +26,8 @@ def catalog_view(server):
 def test_doc_examples_run_in_order_and_leave_the_catalog_as_found(path, start, end, tmp_path):
     """Every runnable curl block, in document order, against one fresh default-catalog server
     (a fresh `make run`): none answers an error, and the catalog is as it was afterwards."""
-    server = _start_live(tmp_path, (), catalog="default")
+    # the walkthroughs write their files under /tmp (here tmp_path), which they make a model root
+    server = _start_live(tmp_path, ("--model_root", str(tmp_path)), catalog="default")
     try:
         before = catalog_view(server)
         text = open(os.path.join(ROOT, path)).read()

@@ -68,7 +68,10 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, files):
-    srv = _start_live(tmp_path_factory.mktemp("server-files"), ())
+    # the secret's folder is a model root: what is at stake here is what a diagnostic says of a file
+    # the server may read (tests/test_model_root.py keeps the rest out)
+    srv = _start_live(tmp_path_factory.mktemp("server-files"),
+                      ("--model_root", str(files), "--model_root", os.path.dirname(os.path.dirname(tiny_scout_dir()))))
     yield srv
     srv.stop()
 

@@ -18,16 +18,22 @@ VISION = os.path.join(ROOT, "models", "smolvlm", "vision.loom")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = _start_live(tmp_path_factory.mktemp("vision"), ())
+def folder(tmp_path_factory):
+    """The server's folder (its catalog's, so a model root) and the towers'."""
+    return tmp_path_factory.mktemp("vision")
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    srv = _start_live(folder, ())
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def towers(tmp_path_factory):
+def towers(folder):
     """Generated vision towers projecting to the tiny text model's 128 channels, and to SmolLM2's 576."""
-    root = tmp_path_factory.mktemp("towers")
+    root = folder / "towers"
     return {width: generate.generate(str(root / str(width)), text_hidden=width) for width in (128, 576)}
 
 
