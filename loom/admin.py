@@ -140,7 +140,8 @@ def trim_device(server, request):
         if reg.engine is not None:
             reg.engine.release_idle()   # retained idle conversations are reclaimable caches too
         if reg.prepared is not None:
-            reg.prepared.release_plans()    # and so are cached plans' scratch
+            for part in (reg.prepared, *reg.prepared.components.values()):
+                part.release_plans()        # and so are cached plans' scratch, an extra component's too
     freed = registry.device.pool.trim(body["target_bytes"])
     return Response.json(dict(registry.resources(), device_index=0, freed_bytes=freed))
 
