@@ -59,7 +59,8 @@ class Soak:
     def start(self):
         self.log = tempfile.NamedTemporaryFile(prefix="loom-soak-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([PY, "-m", "loom", "--listen", f"tcp:127.0.0.1:{self.port}", "--device", "cpu",
-                                      "--trial_timeout", str(self.trial_timeout), "--idle_timeout", "5", "--header_timeout", "3",
+                                      "--trial_timeout", str(self.trial_timeout), "--idle_timeout", "5",
+                                      "--header_timeout", "3",
                                       *(("--kernel_cache", self.kernel_cache) if self.kernel_cache else ()),
                                       *(("--model_root", self.model_root) if self.model_root else ())],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)

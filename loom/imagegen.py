@@ -97,7 +97,7 @@ class Model(kinds.Derived):
         folder = meta.get("tokenizer")
         if not isinstance(folder, str):
             raise Problem("an image package needs its tokenizer folder (tokenizer/ in the diffusers folder)",
-                          "no_tokenizer")
+                          "no_tokenizer", quotes=False)
         try:
             self.tokenizer = tokenizer.from_clip_files(folder)
         except (tokenizer.TokenizerError, OSError) as e:
@@ -487,12 +487,13 @@ class Image(kinds.Kind):
             if value is None:
                 continue
             if type(value) is not kind or not check(value):
-                raise Problem(f"option {name}={value!r} is not valid for an image deployment", "invalid_option")
+                raise Problem(f"option {name}={value!r} is not valid for an image deployment", "invalid_option",
+                              quotes=False)
             out[name] = value
         loras = options.get("loras", {})
         if not isinstance(loras, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
                                                   for k, v in loras.items()):
-            raise Problem("option loras must map adapter ids to .safetensors paths", "invalid_option")
+            raise Problem("option loras must map adapter ids to .safetensors paths", "invalid_option", quotes=False)
         return out
 
     def _adapters(self, options, checkpoint_path):

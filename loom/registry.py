@@ -546,10 +546,10 @@ class Registry:
             if error is not None:
                 self.server.loop.call_soon(self._prepared, reg)
                 code = error.code if isinstance(error, Problem) else "internal"
-                if not isinstance(error, Problem) or error.quotes:
-                    # not a reader's error: an unexpected one, which may hold anything it read
-                    error = withhold(error if isinstance(error, Problem) else Problem(f"{type(error).__name__}: {error}"),
-                                     "preparation failed", code=code)
+                if not isinstance(error, Problem):      # unexpected: it may hold anything it read
+                    error = Problem(f"{type(error).__name__}: {error}", code)
+                if error.quotes:
+                    error = withhold(error, "preparation failed", code=code)
                 self._failed(reg, code, error.message, error.private)
                 if reg.removing:
                     self._remove(reg)
@@ -997,7 +997,8 @@ def catalog_folders(docs, folder):
             if isinstance(component, dict):
                 refs += [component.get("checkpoint")] + list(component.get("sources") or [])
         loras = ((doc.get("options") or {}).get("loras") or {}) if isinstance(doc.get("options"), dict) else {}
-        refs += [v for v in loras.values() if isinstance(v, str) and os.path.isabs(v)] if isinstance(loras, dict) else []
+        if isinstance(loras, dict):
+            refs += [v for v in loras.values() if isinstance(v, str) and os.path.isabs(v)]
         if base:
             out.append(base)
         for ref in refs:
