@@ -35,7 +35,12 @@ UNDECLARED = "audio"        # a component no deployment here declares: 404 on ev
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = _start_live(tmp_path_factory.mktemp("residency"), ())
+    # The deployments' files are model roots: the catalog's folders (installed weight packages)
+    # and Loom's cache (the generated checkpoints), as for the default catalog.
+    from loom import cache_folder
+    from loom.registry import catalog_folders
+    roots = sorted(set(catalog_folders(list(documents().values()), None)) | {cache_folder("")})
+    srv = _start_live(tmp_path_factory.mktemp("residency"), tuple(a for r in roots for a in ("--model_root", r)))
     srv.deployed = {}
     yield srv
     srv.stop()
@@ -92,6 +97,8 @@ def documents():
     """The default catalog's documents, scout and encoder on the tiny text checkpoint (scout with
     an image component on the tiny tower), keyed by deployment name."""
     docs = {d["model"]: d for d in demo.catalog(text=tiny_scout_dir(), image=False)}
+    if "illustrator" in docs:     # four denoising steps: the adapters and weights matter here, not quality
+        docs["illustrator"] = dict(docs["illustrator"], options=dict(docs["illustrator"]["options"], steps=4))
     if "scout" in docs:
         docs["scout"] = dict(docs["scout"], rows=2, context_length=512,
                              components={"image": {"sources": ["../smolvlm/vision.loom"], "checkpoint": tower()}})
