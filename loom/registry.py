@@ -155,7 +155,9 @@ class Files:
 
         def read(name):
             path = os.path.join(base, name)
-            if outside_roots(path):     # (a symlink out of the roots: refused, not probed)
+            if not os.path.lexists(path):
+                return None
+            if outside_roots(path):     # (a symlink out of the roots, say): refused, not read
                 raise OSError(f"{path} resolves outside the model roots (--model_root)")
             if not os.path.isfile(path):
                 return None

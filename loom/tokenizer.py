@@ -1597,7 +1597,9 @@ def folder_reader(folder):
     form of the reader from_folder takes."""
     def read(name):
         path = os.path.join(folder, name)
-        if outside_roots(path):     # a symlink out of the model roots: refused (OSError), not probed
+        if not os.path.lexists(path):
+            return None
+        if outside_roots(path):     # (a symlink out of the model roots, say): refused, not read
             raise OSError(f"{path} resolves outside the model roots (--model_root)")
         if not os.path.isfile(path):
             return None
