@@ -13,7 +13,10 @@ device_memory), any hang (a request past its deadline), any leak or a crash.
 Phases: idle and slowloris connections; a disconnect storm (FIN and RST at random
 points across chat, streamed chat, sequences, embeddings and decisions); a fuzz
 campaign of mutated bodies on every endpoint; framing and smuggling vectors;
-hostile packages registered beside the catalog; overload; unregister under load.
+hostile packages registered beside the catalog; overload; residency cycles under
+load (drain, deactivate, trim, pin, variant select, activate, undrain while requests
+are in flight: every answer 200 and equal to the one before, or a documented 503);
+unregister under load.
 """
 
 import os
@@ -42,10 +45,12 @@ DEADLINE = 60.0     # seconds any one request may take before it counts as a han
 
 
 class Soak:
-    def __init__(self, short, port, kernel_cache=None):
+    def __init__(self, short, port, kernel_cache=None, model_root=None, trial_timeout=10):
         self.short = short
+        self.trial_timeout = trial_timeout
         self.port = port
         self.kernel_cache = kernel_cache
+        self.model_root = model_root        # the hostile packages' folder: registrations read only model roots
         self.failures = []
         self.counts = collections.defaultdict(collections.Counter)
         self.lock = threading.Lock()
@@ -54,8 +59,10 @@ class Soak:
     def start(self):
         self.log = tempfile.NamedTemporaryFile(prefix="loom-soak-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([PY, "-m", "loom", "--listen", f"tcp:127.0.0.1:{self.port}", "--device", "cpu",
-                                      "--trial_timeout", "10", "--idle_timeout", "5", "--header_timeout", "3",
-                                      *(("--kernel_cache", self.kernel_cache) if self.kernel_cache else ())],
+                                      "--trial_timeout", str(self.trial_timeout), "--idle_timeout", "5",
+                                      "--header_timeout", "3",
+                                      *(("--kernel_cache", self.kernel_cache) if self.kernel_cache else ()),
+                                      *(("--model_root", self.model_root) if self.model_root else ())],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -483,6 +490,175 @@ def phase_overload(soak):
     soak.settle()
 
 
+def png_url():
+    """A small deterministic PNG as a data URL (scout's image component projects it)."""
+    import base64
+    import zlib
+    width, height = 24, 16
+    rows = b"".join(b"\x00" + bytes((x * 10 + y * 7) % 256 for x in range(width * 3)) for y in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def residency_targets(soak):
+    """model -> (path, body, residency components) for the catalog deployments the phase cycles:
+    each request's answer must not change whatever the cycles do."""
+    models = {m["id"]: m for m in json.loads(soak.get("/v1/models")[1])["data"]}
+    image = {"type": "image_url", "image_url": {"url": png_url()}}
+    chat = [{"type": "text", "text": "What is in the picture?"}, image] if "image" in models.get(
+        "scout", {}).get("input_modalities", []) else "Name a colour."
+    targets = {
+        "vectors": ("/v1/embeddings", {"model": "vectors", "input": ["residency", "under load"],
+                                       "encoding_format": "base64"}),
+        "judge": ("/v1/systemone", {"model": "judge", "state": "The tea is cold.",
+                                    "questions": {"warm": {"type": "noul", "instructions": "Is it warm?"}}}),
+        "encoder": ("/v1/sequences", {"model": "encoder", "position": 0, "token_ids": [11, 27, 42, 7]}),
+        "scout": ("/v1/chat/completions", {"model": "scout", "max_tokens": 4, "temperature": 0,
+                                           "messages": [{"role": "user", "content": chat}]}),
+    }
+    if not soak.short:
+        targets.update({
+            "speaker": ("/v1/audio/speech", {"model": "speaker", "input": "Good day.", "voice": "alba",
+                                             "response_format": "pcm"}),
+            "illustrator": ("/v1/images/generations", {"model": "illustrator", "prompt": "a fox", "size": "64x64",
+                                                       "loras": [{"id": "ink", "scale": 0.5}]}),
+        })
+    out = {}
+    for name, (path, body) in targets.items():
+        if name in models:
+            components = ["primary"] + (["image"] if name == "scout" and isinstance(chat, list) else [])
+            out[name] = (path, body, components, models[name]["loom"].get("variants"))
+    return out
+
+
+def answer(raw):
+    """What must not change in an answer: its bytes (PCM), its JSON less what names the request
+    or reports reuse (id, created, usage), or a sequence's tokens and output bytes (chunked as
+    the cohorts ran, and under a handle of its own)."""
+    import base64
+    if raw.startswith(b"event: "):
+        chunks = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        chunks = [c for c in chunks if "data" in c]
+        return ([t for c in chunks for t in c["token_ids"]], b"".join(base64.b64decode(c["data"]) for c in chunks))
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return {k: v for k, v in value.items() if k not in ("id", "created", "usage")} if isinstance(value, dict) else value
+
+
+def phase_residency(soak):
+    """Deployments cycle through drain, deactivate (every component), trim, pin/unpin, a native
+    variant switch, activate and undrain while clients keep requests in flight: every answer is
+    200 and equal to the one taken before, or a documented 503; afterwards each deployment is
+    open, resident and (checked by the final accounting) back at its baseline."""
+    targets = residency_targets(soak)
+    cycles = 2 if soak.short else 10
+    baseline = {}
+    for name, (path, body, _, _) in targets.items():
+        status, raw = soak.request("POST", path, body)
+        if status != 200:
+            soak.fail("residency", f"{name}: the baseline request answered {status} {raw[:200]!r}")
+            return
+        baseline[name] = answer(raw)
+    stop = threading.Event()
+
+    def load(name):
+        path, body = targets[name][:2]
+        while not stop.is_set():
+            try:
+                status, raw = soak.request("POST", path, body)
+            except OSError as e:
+                soak.fail("residency", f"{name}: {e}")
+                return
+            soak.judge(f"residency ({name})", status, raw)
+            if status == 200 and answer(raw) != baseline[name]:
+                soak.fail("residency", f"{name}: the answer changed: {raw[:200]!r}")
+            elif status not in (200, 410, 503):
+                soak.fail("residency", f"{name}: {status} {raw[:200]!r}")
+
+    def control(name, path, body, want):
+        status, raw = soak.request("POST", path, body)
+        soak.counts["residency controls"][f"{path.rsplit('/', 1)[1]} {status}"] += 1
+        if status != want:
+            soak.fail("residency", f"{name}: {path} answered {status}, not {want}: {raw[:200]!r}")
+        return json.loads(raw) if raw else None
+
+    def cycle(name):
+        r = random.Random(name)
+        components, variants = targets[name][2], targets[name][3]
+        staged = None
+        if variants and not soak.short:     # a second choice of the same sources, to switch to and back
+            from loom import demo
+            doc = next(d for d in demo.catalog() if d["model"] == name)
+            staged = control(name, "/v1/models/variants", {"model": name, "base": variants["selected"], "wait": True,
+                                                           "base_directory": doc["base_directory"],
+                                                           "sources": doc["sources"]}, 200)["variant"]["id"]
+        selected = variants["selected"] if variants else None
+        for _ in range(cycles):
+            if r.random() < 0.3:    # not drained: refused, nothing moves
+                control(name, "/v1/models/deactivate", {"model": name}, 409)
+            control(name, "/v1/models/drain", {"model": name}, 200)
+            gone = r.sample(components, r.randint(1, len(components)))
+            for component in gone:
+                control(name, "/v1/models/deactivate", {"model": name, "component": component}, 202)
+            if r.random() < 0.5:
+                control(name, "/v1/devices/trim", {"device": 0, "target_bytes": 0}, 200)
+            component = r.choice(components)
+            control(name, "/v1/models/pin", {"model": name, "component": component}, 200)
+            if staged is not None:
+                other = staged if selected != staged else variants["selected"]
+                control(name, "/v1/models/variants/select", {"model": name, "variant": other, "expected": selected},
+                        200)
+                selected = other
+            time.sleep(r.uniform(0.05, 0.4))        # requests queue at the drained gate meanwhile
+            control(name, "/v1/models/unpin", {"model": name, "component": component}, 200)
+            for component in gone if r.random() < 0.7 else ():   # else the first request streams them back
+                control(name, "/v1/models/activate", {"model": name, "component": component}, 202)
+            control(name, "/v1/models/undrain", {"model": name}, 200)
+            time.sleep(r.uniform(0.2, 1.0))
+        if staged is not None:
+            if selected == staged:
+                control(name, "/v1/models/variants/select", {"model": name, "variant": variants["selected"],
+                                                             "expected": staged}, 200)
+            control(name, "/v1/models/variants/remove", {"model": name, "variant": staged}, 200)
+
+    loaders = [threading.Thread(target=load, args=(name,)) for name in targets for _ in range(3)]
+    cyclers = [threading.Thread(target=cycle, args=(name,)) for name in targets]
+    for t in loaders + cyclers:
+        t.start()
+    for t in cyclers:
+        t.join()
+    stop.set()
+    for t in loaders:
+        t.join()
+    soak.counts["residency"]["cycles"] = cycles * len(targets)
+    soak.healthy("residency")
+    soak.settle()
+    # Every component was asked back, or came back with a request: the same answers, now resident.
+    for name, (path, body, components, _) in targets.items():
+        status, raw = soak.request("POST", path, body)
+        if status != 200 or answer(raw) != baseline[name]:
+            soak.fail("residency", f"{name}: after the cycles {status} {raw[:200]!r}")
+        for component in components[1:]:    # a component only a request with images brings back
+            soak.json("/v1/models/drain", {"model": name})
+            soak.json("/v1/models/activate", {"model": name, "component": component})
+            soak.json("/v1/models/undrain", {"model": name})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reg = next(r for r in json.loads(soak.get("/v1/status")[1])["registrations"] if r["model"] == name)
+            parts = [reg["resources"]] + [reg["resources"]["components"][c] for c in components[1:]]
+            if reg["admission"] == "open" and all(p["resident"] for p in parts):
+                break
+            time.sleep(0.1)
+        else:
+            soak.fail("residency", f"{name}: not open and resident afterwards: {reg['admission']} {reg['resources']}")
+
+
 def phase_unregister_under_load(soak):
     from loom import demo
     minilm = demo.minilm_dir()
@@ -524,21 +700,25 @@ def main():
     ap.add_argument("--short", action="store_true", help="the bounded version make test runs")
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
     ap.add_argument("--kernel_cache", metavar="DIR", help="the server's --kernel_cache (default: its own default)")
+    ap.add_argument("--trial_timeout", type=float, default=10,
+                    help="the server's --trial_timeout: short, so the hanging package fails fast; a busy machine "
+                         "may need more for the catalog's own trial runs")
     args = ap.parse_args()
     if not args.port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
-    soak = Soak(args.short, args.port, args.kernel_cache)
-    soak.start()
     folder = tempfile.mkdtemp(prefix="loom-soak-")
+    soak = Soak(args.short, args.port, args.kernel_cache, model_root=folder, trial_timeout=args.trial_timeout)
+    soak.start()
     try:
         before = soak.accounting()
         rss_before = soak.rss_mb()
         print(f"baseline: {json.dumps(before)}\nRSS {rss_before:.0f} MB", flush=True)
         phases = [("connections", phase_connections), ("disconnects", phase_disconnects), ("fuzz", phase_fuzz),
                   ("framing", phase_framing), ("hostile", lambda s: phase_hostile(s, folder)),
-                  ("overload", phase_overload), ("unregister", phase_unregister_under_load)]
+                  ("overload", phase_overload), ("residency", phase_residency),
+                  ("unregister", phase_unregister_under_load)]
         for name, phase in phases:
             started = time.monotonic()
             phase(soak)

@@ -76,6 +76,12 @@ def parser():
                    help="folder where built OpenCL kernels are kept, so the next start loads them instead of "
                         "compiling (keyed by source, defines, device, driver version and host CPU). "
                         "Default: $XDG_CACHE_HOME/loom/kernels or ~/.cache/loom/kernels; 'none' keeps nothing")
+    p.add_argument("--model_root", action="append", metavar="DIR",
+                   help="a folder whose files clients may name for a model: registration and staging refuse "
+                        "(403) a server path that resolves, symlinks followed, outside every root, and no file "
+                        "outside them is read. Repeatable. Default: Loom's cache folder. The start-up catalog's "
+                        "own folders and Loom's shipped packages are always roots (docs/operations.md, "
+                        "'Exposure and model roots')")
     p.add_argument("--log_level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="stderr log level")
     return p
@@ -107,7 +113,8 @@ def main(argv=None):
                     models=args.models, device=args.device, memory_bytes=args.memory_bytes,
                     registrations=args.registrations, package_bytes=args.package_bytes,
                     prepare_timeout=args.prepare_timeout, trial_timeout=args.trial_timeout,
-                    kernel_cache="" if args.kernel_cache == "none" else args.kernel_cache)
+                    kernel_cache="" if args.kernel_cache == "none" else args.kernel_cache,
+                    model_root=args.model_root)
     server = Server(config)
     configure_logging(args.log_level, server.logs)
     try:

@@ -11,7 +11,8 @@ import os
 import re
 
 from . import jsonin, packages, registry, runtime
-from .errors import Error
+from .errors import WITHHELD, Error, Problem, withhold
+from .logs import PRIVATE
 from .http import Deferred, Response, page
 from .jsonin import Arr, Bool, Enum, Int, Obj, Str
 from .registry import compile_probes
@@ -98,24 +99,14 @@ def _residency_target(server, request):
 
 def activate_model(server, request):
     reg, component = _residency_target(server, request)
-    if component == "primary":
-        reg.deactivate_when_idle = False
-        server.registry.activate(reg)
-    else:
-        server.registry.activate_component(reg, component)
+    reg.deactivate_when_idle.discard(component)
+    server.registry.activate(reg, name=component)
     return Response.json({"model": reg.name, "component": component, "operation": "activate"}, 202)
 
 
 def deactivate_model(server, request):
     reg, component = _residency_target(server, request)
-    if component != "primary":
-        # No request projects images yet (chat's image parts are the next step of issue 20),
-        # so an extra component has no users to wait for: it leaves at once.
-        server.registry.deactivate_component(reg, component)
-    elif reg.in_flight or reg.restoring is not None:
-        reg.deactivate_when_idle = True   # after the drained work finishes
-    else:
-        server.registry.deactivate(reg)
+    server.registry.deactivate_when_unused(reg, component)
     return Response.json({"model": reg.name, "component": component, "operation": "deactivate"}, 202)
 
 
@@ -149,7 +140,8 @@ def trim_device(server, request):
         if reg.engine is not None:
             reg.engine.release_idle()   # retained idle conversations are reclaimable caches too
         if reg.prepared is not None:
-            reg.prepared.release_plans()    # and so are cached plans' scratch
+            for part in (reg.prepared, *reg.prepared.components.values()):
+                part.release_plans()        # and so are cached plans' scratch, an extra component's too
     freed = registry.device.pool.trim(body["target_bytes"])
     return Response.json(dict(registry.resources(), device_index=0, freed_bytes=freed))
 
@@ -259,12 +251,19 @@ def stage_variant(server, request):
                             "sources")
         else:
             paths.append(runtime.resolve(directory, source) if directory else source)
+    # Every server file it names, and the folder its #includes come from, inside the model roots.
+    if directory is not None:
+        server.registry.confined("base_directory", directory)
+    for path in paths:
+        server.registry.confined("sources", path)
     # Staging keeps the uploaded bytes only until its executables are built.
     includes = registry.Files.include_reader(directory, package)
-    return _stage(server, reg, base, paths, loaded, includes, body.get("wait", True))
+    # Diagnostics may quote the sources only when they are all the client's (an uploaded package's).
+    quotable = package is not None and not paths
+    return _stage(server, reg, base, paths, loaded, includes, body.get("wait", True), quotable)
 
 
-def _stage(server, reg, base, paths, loaded, includes, wait):
+def _stage(server, reg, base, paths, loaded, includes, wait, quotable):
     prepared = reg.prepared
     if len(prepared.variants) >= reg.doc["variant_capacity"]:
         raise Error(429, f"model {reg.name!r} holds {len(prepared.variants)} variants, its variant_capacity",
@@ -285,11 +284,12 @@ def _stage(server, reg, base, paths, loaded, includes, wait):
 
     def settle(phase, error=None):
         variant.phase = phase
-        variant.error = error
+        variant.error = None if error is None else {"code": error["code"], "message": error["message"]}
         compiling()
         server.registry.staged(reg, -1)
         log.info("variant %d of %s: %s", variant.id, reg.name, phase,
-                 extra={"event": "variant", "model": reg.name, "variant": variant.id, "phase": phase})
+                 extra={"event": "variant", "model": reg.name, "variant": variant.id, "phase": phase,
+                        PRIVATE: (error or {}).get("private")})
         if withdrawn in reg.readers:
             reg.readers.discard(withdrawn)
             deferred.resolve(Response.json({"selected": prepared.selected, "variant": variant.record(detail=True)},
@@ -298,22 +298,29 @@ def _stage(server, reg, base, paths, loaded, includes, wait):
     def probed(failure, results):
         if failure is None and not reg.removing:
             variant.pin(prepared.compiler, results)   # until removal or the model's retirement
-        for result in results:
-            variant.diagnostics.append({"kernel": result.name, "ok": result.ok, "log": result.log,
-                                        **({"message": result.message} if not result.ok else {})})
+        for i, result in enumerate(results):
+            # A build log quotes the sources it compiled (and a kernel's name is theirs): the client's
+            # own only when all were uploaded; else the build is named by its place in the list.
+            evidence = {"kernel": result.name, "log": result.log,
+                        **({"message": result.message} if not result.ok else {})} if quotable \
+                else {"kernel": f"#{i}", "log": f"({WITHHELD})" if result.log else ""}
+            variant.diagnostics.append({"ok": result.ok, **evidence})
         if failure is not None:
-            settle("failed", {"code": failure.code, "message": failure.message})
+            problem = registry.probe_problem(failure, quotable)
+            settle("failed", {"code": problem.code, "message": problem.message, "private": problem.private})
         else:
             settle("ready")
 
     def bound(result, error):
         if error is not None:
-            settle("failed", {"code": getattr(error, "code", "internal"), "message": str(error)})
+            if not isinstance(error, Problem) or error.quotes:   # not a reader's: it may hold anything read
+                error = withhold(error, "staging failed", code=getattr(error, "code", "internal"))
+            settle("failed", {"code": error.code, "message": error.message, "private": error.private})
             return
         variant.binding, variant.sources = result
         compile_probes(reg, prepared, variant.binding, variant.sources, probed)
 
-    server.loop.run_in_executor(runtime.stage_binding, bound, prepared, paths, loaded, includes)
+    server.loop.run_in_executor(runtime.stage_binding, bound, prepared, paths, loaded, includes, quotable)
     if deferred is not None:
         return deferred
     return Response.json({"selected": prepared.selected, "variant": variant.record()}, 202)

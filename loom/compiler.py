@@ -64,6 +64,7 @@ from pyopencl._cl import _Program
 
 import loom
 from .device import kernel_defines
+from .logs import PRIVATE
 
 __all__ = ["Compiler", "Executable", "BuildFailure", "BinaryStore", "LIBRARY", "LOG_CHARS", "run_now"]
 
@@ -419,7 +420,10 @@ class Compiler:
                 self._cache.move_to_end(key)
                 self._evict()
         if not outcome.ok:
-            log.warning("build of %s failed: %s", name, outcome.message)
+            # The kernel's name and the compiler's words quote its source, which may be a server
+            # file: the public log (/logz) names the deployment, the operator's stderr the rest.
+            log.warning("a kernel build of %s failed", name.rsplit("/", 1)[0],
+                        extra={PRIVATE: f"build of {name} failed: {outcome.message}"})
         return outcome
 
     # -- residency ---------------------------------------------------------

@@ -503,6 +503,7 @@ class OutOfDeviceMemory(Problem):
     """An allocation the pool (or the driver) cannot satisfy (code device_memory: 503)."""
 
     code = "device_memory"
+    quotes = False      # byte counts and owners: nothing a file holds
 
     def __init__(self, requested: int, available: int, limit: int, owner: str, kind: str, reason: str = ""):
         self.requested, self.available, self.limit = requested, available, limit

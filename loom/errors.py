@@ -14,7 +14,7 @@ Every error body is {"error": {"message", "type", "param", "code"}} (DESIGN.md
 
 # The envelope's `type` follows the status family, as OpenAI clients expect.
 ERROR_TYPES = {
-    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    400: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
     408: "timeout_error", 409: "conflict_error", 410: "gone_error", 411: "invalid_request_error",
     413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
     422: "unprocessable_entity_error", 429: "rate_limit_error", 431: "invalid_request_error",
@@ -54,15 +54,45 @@ STATUS = {
 
 
 class Problem(Exception):
-    """A lower layer's error: a message, a stable code, the parameter at fault."""
+    """A lower layer's error: a message, a stable code, the parameter at fault.
+
+    About the server's own files (sources, checkpoints, assets, includes) a message
+    that reaches a client, /v1/status or /logz never repeats what the server read
+    (PROFILES: the server has no authentication, so every diagnostic is public):
+    `quotes` False says the message names only paths, positions and what was
+    expected; `private`, when set, is the whole diagnostic, which only the server's
+    standard error shows (logs.PRIVATE)."""
 
     code = "internal"
+    quotes = True       # the message may hold text read from a file (withhold it for server files)
 
-    def __init__(self, message, code=None, param=None):
+    def __init__(self, message, code=None, param=None, private=None, quotes=None):
         super().__init__(message)
         self.message = message
         self.code = code or type(self).code
         self.param = param
+        self.private = private
+        if quotes is not None:
+            self.quotes = quotes
+
+
+# What a withheld diagnostic says instead of the file's text.
+WITHHELD = "the server repeats nothing it read from its files; its standard error has the whole diagnostic"
+
+
+def withhold(error, public, cls=Problem, code=None):
+    """A `cls` for an error about server files: `public`, which names only paths, positions
+    and what was expected, with WITHHELD, as its message (or the error's own `public`
+    rendering, when its reader gives one); the error's own text as its `private` detail.
+    An error that quotes nothing (quotes False) keeps its message."""
+    text = error.message if isinstance(error, Problem) else str(error) or type(error).__name__
+    code = code or getattr(error, "code", None)
+    param = getattr(error, "param", None)
+    if not getattr(error, "quotes", True):
+        return cls(text, code, param, getattr(error, "private", None), quotes=False)
+    if getattr(error, "public", None):      # the reader's own rendering: its position and expectation
+        return cls(f"{error.public} ({WITHHELD})", code, param, private=text, quotes=False)
+    return cls(f"{public} ({WITHHELD})", code, param, private=text, quotes=False)
 
 
 class Error(Problem):

@@ -97,7 +97,7 @@ class Model(kinds.Derived):
         folder = meta.get("tokenizer")
         if not isinstance(folder, str):
             raise Problem("an image package needs its tokenizer folder (tokenizer/ in the diffusers folder)",
-                          "no_tokenizer")
+                          "no_tokenizer", quotes=False)
         try:
             self.tokenizer = tokenizer.from_clip_files(folder)
         except (tokenizer.TokenizerError, OSError) as e:
@@ -487,24 +487,39 @@ class Image(kinds.Kind):
             if value is None:
                 continue
             if type(value) is not kind or not check(value):
-                raise Problem(f"option {name}={value!r} is not valid for an image deployment", "invalid_option")
+                raise Problem(f"option {name}={value!r} is not valid for an image deployment", "invalid_option",
+                              quotes=False)
             out[name] = value
         loras = options.get("loras", {})
         if not isinstance(loras, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
                                                   for k, v in loras.items()):
-            raise Problem("option loras must map adapter ids to .safetensors paths", "invalid_option")
+            raise Problem("option loras must map adapter ids to .safetensors paths", "invalid_option", quotes=False)
         return out
 
-    def extend(self, doc, options, checkpoint_path):
+    def _adapters(self, options, checkpoint_path):
+        """(id, server path) of the document's LoRA adapters: absolute, or beside the checkpoint."""
         loras = options.get("loras") or {}
-        if not loras:
-            return None
         folder = checkpoint_path if os.path.isdir(checkpoint_path) else os.path.dirname(checkpoint_path)
         entries = []
         for name, path in loras.items():
             if not os.path.isabs(path) and ".." in path.replace("\\", "/").split("/"):
-                raise Problem(f"adapter {name!r}: {path!r} leaves the model's folder", "invalid_option")
+                raise Problem(f"adapter {name!r}: {path!r} leaves the model's folder", "invalid_option", quotes=False)
             entries.append((name, path if os.path.isabs(path) else os.path.join(folder, path)))
+        return entries
+
+    def server_files(self, doc, checkpoint_path):
+        loras = (doc.get("options") or {}).get("loras")
+        if not isinstance(loras, dict) or not all(isinstance(v, str) for v in loras.values()):
+            return []       # options() refuses it at preparation
+        try:
+            return [(f"options.loras.{name}", path) for name, path in self._adapters({"loras": loras}, checkpoint_path)]
+        except Problem:
+            return []       # an adapter leaving the model's folder: preparation refuses it by name
+
+    def extend(self, doc, options, checkpoint_path):
+        if not options.get("loras"):
+            return None
+        entries = self._adapters(options, checkpoint_path)
         from . import lora
 
         return lambda checkpoint: lora.pack(entries, {n: t.shape for n, t in checkpoint.tensors.items()})

@@ -14,6 +14,7 @@ never branches on a kind's name. What a kind says about itself:
     options(doc, options)  preparation options it derives from the document (the KV pool)
     extend(doc, o, path)   None, or a function adding tensors to the checkpoint before binding
                            (the image kind packs the document's LoRA adapters this way)
+    server_files(doc, path) the server files it reads beyond the document's locators (confined)
     check(prepared)        raises a Problem when the prepared package cannot serve this kind
                            (the registration fails with its code and message)
     components(prepared)   its residency components ("primary", and e.g. "image")
@@ -86,6 +87,11 @@ class Kind:
         document that the package binds like the checkpoint's own (see runtime.prepare)."""
         return None
 
+    def server_files(self, doc, checkpoint_path):
+        """(document field, server path) of the files it reads beyond the document's own
+        locators (the image kind's LoRA adapters): registration confines them to the model roots."""
+        return []
+
     def trial(self, binding, command, geometry):
         return None
 
@@ -110,6 +116,7 @@ class Kind:
 class Job:
     what = "request"
     resident = True     # start() needs the parameters on the device
+    components = ()     # extra residency components it needs resident too (a chat's images: "image")
 
     def __init__(self, server, reg, request):
         self.server, self.reg, self.request = server, reg, request

@@ -93,14 +93,18 @@ def pattern_code(pattern):
 
 
 class LoomError(ValueError):
-    """A source or module error, with a location when there is one."""
+    """A source or module error, with a location when there is one. `quotes`: whether the
+    message may hold text read from the source (a name, a token); a parse that must not
+    quote its file (a server file, parse(quote=False)) says only where and what was expected."""
 
-    def __init__(self, message, line=None, col=None, source=None):
+    def __init__(self, message, line=None, col=None, source=None, quotes=True):
         where = f"{source or '<source>'}:{line}:{col}: " if line is not None else ""
         super().__init__(where + message)
         self.message = message
         self.line = line
         self.col = col
+        self.source = source
+        self.quotes = quotes
 
 
 # -- the module ------------------------------------------------------------------
@@ -198,12 +202,14 @@ class Tok:
     col: int
 
 
-def tokenize(text, source=None):
+def tokenize(text, source=None, quote=True):
     tokens, pos, line, line_start = [], 0, 1, 0
     while pos < len(text):
         m = TOKEN.match(text, pos)
         if not m:
-            raise LoomError(f"unexpected character {text[pos]!r}", line, pos - line_start + 1, source)
+            raise LoomError(f"unexpected character {text[pos]!r}" if quote else
+                            "expected a token of Loom source (a name, number, string, operator or comment)",
+                            line, pos - line_start + 1, source, quotes=quote)
         kind, value = m.lastgroup, m.group()
         if kind != "ws":
             if kind == "name" and value in KEYWORDS:
@@ -221,27 +227,36 @@ def tokenize(text, source=None):
     return tokens
 
 
-def _unquote(tok):
+def _unquote(tok, source=None):
     if tok.kind == "triple":
         return tok.text[3:-3]  # raw: kernel source is written as is, backslashes included
     try:
         return json.loads(tok.text)
     except json.JSONDecodeError:
-        raise LoomError("invalid escape in string", tok.line, tok.col) from None
+        raise LoomError("invalid escape in string", tok.line, tok.col, source, quotes=False) from None
 
 
 # -- parser ----------------------------------------------------------------------
 
 class Parser:
-    def __init__(self, text, source=None):
+    def __init__(self, text, source=None, quote=True):
         self.text = text
         self.source = source
-        self.tokens = tokenize(text, source)
+        self.quote = quote          # False: a server file, whose text no message repeats
+        self.tokens = tokenize(text, source, quote)
         self.i = 0
 
-    def error(self, message, tok=None):
+    def error(self, message, tok=None, found=None, quoting=None):
+        """A LoomError at `tok` (default: the next token): `message` says what was expected;
+        when the parse may quote its text, `found` (the text met instead) is added, or
+        `quoting` (a message naming what the source says) replaces it."""
         tok = tok or self.peek()
-        return LoomError(message, tok.line, tok.col, self.source)
+        if self.quote and quoting is not None:
+            message = quoting
+        elif self.quote and found is not None:
+            message = f"{message}, found {found or 'end of file'!r}"
+        return LoomError(message, tok.line, tok.col, self.source,
+                         quotes=self.quote and (found is not None or quoting is not None))
 
     def peek(self, ahead=0):
         return self.tokens[min(self.i + ahead, len(self.tokens) - 1)]
@@ -262,20 +277,20 @@ class Parser:
 
     def expect(self, text):
         if not self.at(text):
-            raise self.error(f"expected {text!r}, found {self.peek().text or 'end of file'!r}")
+            raise self.error(f"expected {text!r}", found=self.peek().text)
         return self.next()
 
     def name(self, what="a name"):
         tok = self.peek()
         if tok.kind != "name":
-            raise self.error(f"expected {what}, found {tok.text or 'end of file'!r}")
+            raise self.error(f"expected {what}", found=tok.text)
         return self.next().text
 
     def string(self, what="a string"):
         tok = self.peek()
         if tok.kind not in ("string", "triple"):
             raise self.error(f"expected {what}")
-        return _unquote(self.next())
+        return _unquote(self.next(), self.source)
 
     # module := 'module' NAME ('kind' NAME)? decl*
     def module(self, checked=True):
@@ -285,22 +300,24 @@ class Parser:
             tok = self.peek()
             module.kind = self.name("a kind")
             if module.kind not in KINDS:
-                raise self.error(f"unknown kind {module.kind!r}; one of {', '.join(KINDS)}", tok)
+                raise self.error(f"expected a kind: one of {', '.join(KINDS)}", tok,
+                                 quoting=f"unknown kind {module.kind!r}; one of {', '.join(KINDS)}")
         while self.peek().kind != "eof":
             tok = self.peek()
             keyword = tok.text if tok.kind == "kw" else None
             parse = {"spec": self.spec, "param": self.param, "state": self.state, "kernel": self.kernel,
                      "command": self.command, "policy": self.policy}.get(keyword)
             if parse is None:
-                raise self.error(f"expected a declaration (spec, param, state, kernel, command, policy), "
-                                 f"found {tok.text!r}")
+                raise self.error("expected a declaration (spec, param, state, kernel, command, policy)",
+                                 found=tok.text)
             self.next()
             parse(module, tok)
         return check(module, self.source) if checked else module
 
     def declare(self, module, section, decl, tok):
         if module.find(section, decl.name) is not None:
-            raise self.error(f"{section[:-1]} {decl.name!r} is declared twice", tok)
+            raise self.error(f"expected a new {section[:-1]} name: this one is declared twice", tok,
+                             quoting=f"{section[:-1]} {decl.name!r} is declared twice")
         getattr(module, section).append(decl)
 
     def spec(self, module, tok):
@@ -387,7 +404,8 @@ class Parser:
                 self.expect("]")
             elif arg_type not in ARG_TYPES:
                 kinds = "buf, int, float or tensor[...]" if tensors else "buf, int or float"
-                raise self.error(f"argument type must be {kinds}, not {arg_type!r}", type_tok)
+                raise self.error(f"expected an argument type: {kinds}", type_tok,
+                                 quoting=f"argument type must be {kinds}, not {arg_type!r}")
             args.append((arg_name, arg_type, binds))
         self.expect(")")
         return args
@@ -482,7 +500,7 @@ class Parser:
                 code += arg
             code.append(("call", name, len(args)))  # resolved to launch/invoke by check()
         else:
-            raise self.error(f"expected a statement (let, scratch, for, if, or a call), found {tok.text!r}")
+            raise self.error("expected a statement (let, scratch, for, if, or a call)", found=tok.text)
         self.accept(";")
 
     def call_args(self):
@@ -520,7 +538,8 @@ class Parser:
         try:
             module.policy = jsonin.loads(self.text[offset:stop].encode())
         except jsonin.JSONInputError as e:
-            raise self.error(f"policy is not strict JSON: {e.message}", start) from None
+            raise self.error("expected a strict JSON object after policy", start,
+                             quoting=f"policy is not strict JSON: {e.message}") from None
 
     # expressions: precedence climbing, emitting postfix code
     def expr(self, min_prec=0):
@@ -571,7 +590,7 @@ class Parser:
         if tok.kind == "float":
             return [("float", float(tok.text))]
         if tok.kind in ("string", "triple"):
-            return [("str", _unquote(tok))]
+            return [("str", _unquote(tok, self.source))]
         if tok.kind == "kw" and tok.text in ("true", "false"):
             return [("bool", tok.text == "true")]
         if tok.text == "(":
@@ -581,14 +600,16 @@ class Parser:
         if tok.kind == "name":
             if self.at("("):
                 if tok.text not in BUILTINS:
-                    raise self.error(f"unknown function {tok.text!r}", tok)
+                    raise self.error(f"expected a function: one of {', '.join(BUILTINS)}", tok,
+                                     quoting=f"unknown function {tok.text!r}")
                 args = self.call_args()
                 arity = BUILTINS[tok.text]
                 if (arity is None and len(args) not in (1, 2)) or (arity is not None and len(args) != arity):
-                    raise self.error(f"{tok.text}() takes {arity or '1 or 2'} arguments, got {len(args)}", tok)
+                    raise self.error(f"expected {arity or '1 or 2'} arguments in this call, got {len(args)}", tok,
+                                     quoting=f"{tok.text}() takes {arity or '1 or 2'} arguments, got {len(args)}")
                 return [op for arg in args for op in arg] + [("fn", tok.text, len(args))]
             return [("name", tok.text)]
-        raise self.error(f"expected an expression, found {tok.text or 'end of file'!r}", tok)
+        raise self.error("expected an expression", tok, found=tok.text)
 
 
 def _offset(text, line, col):
@@ -596,11 +617,13 @@ def _offset(text, line, col):
     return sum(len(l) + 1 for l in lines[:line - 1]) + col - 1
 
 
-def parse(text, source=None, checked=True):
+def parse(text, source=None, checked=True, quote=True):
     """Parse .loom text into a checked Module. With checked=False the result is a
     part of a multi-file module (say, config.loom beside advance.loombc): names it
-    uses from the other parts are resolved when the parts are merged and checked."""
-    return Parser(text, source).module(checked)
+    uses from the other parts are resolved when the parts are merged and checked.
+    With quote=False a syntax error names the position and what was expected, never
+    the text found there (the text of a server file is never repeated to a client)."""
+    return Parser(text, source, quote).module(checked)
 
 
 # -- checking ----------------------------------------------------------------------
@@ -1013,22 +1036,24 @@ def merge(parts, names=None):
 
 # -- command line ------------------------------------------------------------------
 
-def load(path, checked=True):
-    """A module from .loom text or .loombc binary, by content."""
+def load(path, checked=True, quote=False):
+    """A module from .loom text or .loombc binary, by content. A file is the server's
+    own, so by default its syntax errors do not quote it (parse); the command line,
+    run by the file's owner, quotes."""
     with open_regular(path) as f:
         data = f.read()
-    return load_bytes(data, path, checked)
+    return load_bytes(data, path, checked, quote)
 
 
-def load_bytes(data, path, checked=True):
+def load_bytes(data, path, checked=True, quote=True):
     from . import bytecode
     if data.startswith(bytecode.MAGIC):
         return bytecode.read(data, source=path, checked=checked)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise LoomError(f"not UTF-8 text at byte {e.start}", source=path) from None
-    return parse(text, path, checked)
+        raise LoomError(f"not UTF-8 text at byte {e.start}", source=path, quotes=False) from None
+    return parse(text, path, checked, quote)
 
 
 def main(argv=None):
@@ -1059,10 +1084,10 @@ def main(argv=None):
         ap.error("split takes --config, or --prepare with --control")
     try:
         if args.cmd == "check":
-            module = merge([load(path, checked=False) for path in args.source], args.source)
+            module = merge([load(path, checked=False, quote=True) for path in args.source], args.source)
             args.source = " + ".join(args.source)
         else:
-            module = load(args.source, checked=not getattr(args, "partial", False))
+            module = load(args.source, checked=not getattr(args, "partial", False), quote=True)
     except (LoomError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

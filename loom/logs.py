@@ -48,7 +48,7 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["LogRing", "RingHandler", "to_jsonl", "to_sse", "sse_cursor_from",
+__all__ = ["LogRing", "RingHandler", "OperatorFormatter", "PRIVATE", "to_jsonl", "to_sse", "sse_cursor_from",
            "MAX_READ_LIMIT", "RESERVED_KEYS"]
 
 MAX_READ_LIMIT = 1000
@@ -284,7 +284,7 @@ class RingHandler(logging.Handler):
         try:
             message = record.getMessage()
             fields = {k: v for k, v in record.__dict__.items()
-                      if k not in _RECORD_ATTRS and k != "event"}
+                      if k not in _RECORD_ATTRS and k not in ("event", PRIVATE)}
             event = getattr(record, "event", None)
             if event is None:
                 event = message
@@ -302,3 +302,18 @@ class RingHandler(logging.Handler):
 
 
 _DEFAULT_FORMATTER = logging.Formatter()
+
+# A record attribute (extra={PRIVATE: text}) for the operator alone: the whole diagnostic
+# about a server file, which the ring (public: /logz) never holds; OperatorFormatter prints it.
+PRIVATE = "private"
+
+
+class OperatorFormatter(logging.Formatter):
+    """The standard-error format, with a record's PRIVATE detail on indented lines below it."""
+
+    def format(self, record):
+        text = super().format(record)
+        private = getattr(record, PRIVATE, None)
+        if not private:
+            return text
+        return text + "".join(f"\n    {line}" for line in str(private).splitlines())

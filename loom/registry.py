@@ -15,8 +15,10 @@ import re
 import threading
 import time
 
-from . import cache_folder, jsonin, language, open_regular, proving, runtime, tokenizer
-from .errors import Error, Problem
+from . import cache_folder, confine, jsonin, language, model_roots, open_regular, outside_roots, proving, runtime, \
+    tokenizer
+from .errors import Error, Problem, withhold
+from .logs import PRIVATE
 from .jsonin import Arr, Bool, Enum, Int, Map, Num, Obj, Str
 
 log = logging.getLogger("loom.registry")
@@ -106,6 +108,28 @@ class Files:
                            for name, c in doc.get("components", {}).items()}
         self.assets = self._assets(doc, base, package)
         self.includes = self.include_reader(base, package)
+        # Whether diagnostics may quote the code (every source, prepare/control module and include
+        # an uploaded member: the client's own bytes) and the metadata; else what a reader says
+        # about a server file is withheld (errors.withhold).
+        self.quotable = package is not None and not self.sources and all(
+            data is not None for _, _, data in self.preserved) and not any(
+            paths for paths, _, _ in self.components.values())
+        self.quotable_assets = package is not None and not os.path.isabs(doc.get("assets") or doc["checkpoint"])
+        self.base, self.package, self.doc = base, package, doc
+
+    def server_paths(self):
+        """(document field, server path) of every server file or folder the registration reads."""
+        # base_directory first: a relative path's escape is told of the folder it escapes
+        out = [("base_directory", self.base)] if self.package is None and self.base is not None else []
+        out += [("checkpoint", self.checkpoint)]
+        out += [(role, path) for role, path, data in self.preserved if data is None]
+        out += [("sources", path) for path in self.sources]
+        for name, (paths, _, checkpoint) in self.components.items():
+            out += [(f"components.{name}.sources", p) for p in paths] + [(f"components.{name}.checkpoint", checkpoint)]
+        assets = self.doc.get("assets")
+        if assets is not None and not self.quotable_assets:
+            out.append(("assets", runtime.resolve(self.base, assets)))
+        return out
 
     @classmethod
     def _modules(cls, refs, base, package, param):
@@ -131,6 +155,10 @@ class Files:
 
         def read(name):
             path = os.path.join(base, name)
+            if not os.path.lexists(path):
+                return None
+            if outside_roots(path):     # (a symlink out of the roots, say): refused, not read
+                raise OSError(f"{path} resolves outside the model roots (--model_root)")
             if not os.path.isfile(path):
                 return None
             with open_regular(path) as f:
@@ -190,12 +218,13 @@ class Registration:
         self.pinned = False
         self.pinned_components = set()   # extra components (a text model's "image") pinned on their own
         self.last_used = time.monotonic()
-        self.restoring = None       # callbacks waiting for parameters to return
+        self.restoring = {}         # component -> callbacks waiting for its parameters to return
         # Admission: jobs waiting at the gate (drained, FIFO) and jobs admitted.
         self.waiting = []
         self.jobs = set()
         self.removing = None        # "drain" | "abort" once unregistered
-        self.deactivate_when_idle = False
+        self.deactivate_when_idle = set()   # components asked to leave once unused and not streaming back
+        self.users = {}             # extra component -> jobs using it (the primary's count is in_flight)
         self.readers = set()        # fn(error) of requests waiting for a staged variant's compilation
         self.staging = 0            # staged variants still compiling: they hold the compiler's model ownership
         self.restores = 0           # parameter uploads on a worker: the registration goes only after them
@@ -246,6 +275,26 @@ class Registration:
             "batching": {k: engine[k] for k in ("cohorts", "requests")} if engine else None,
             "scheduler": engine,
         }
+
+
+def checked(fn, public):
+    """fn(), a Problem it raises withheld (errors.withhold) unless it quotes nothing."""
+    try:
+        fn()
+    except Problem as e:
+        raise withhold(e, public) from None
+
+
+def probe_problem(failure, quotable):
+    """A ProbeFailed as a client may see it: whole for uploaded code, else withheld (a build log,
+    a plan's or a trial's message name what the server's source files say)."""
+    failed = failure.result
+    text = failure.message if failed is None else f"{failed.name}: {failed.message}\n{failed.log}"
+    if quotable:
+        return Problem(text, failure.code, quotes=False)
+    public = {"compile": "a kernel does not build", "plan": "a probe geometry does not plan"}.get(
+        failure.code, "a kernel's trial run failed")
+    return withhold(Problem(text, failure.code), f"{public} ({failure.code})")
 
 
 class ProbeFailed(Problem):
@@ -332,6 +381,7 @@ class Registry:
         # and a finished model is evictable while the next one loads.
         self.to_prepare = []
         self.preparing = None
+        self.previous_roots = None      # the confinement before this server's (restored by close)
 
     # -- device --------------------------------------------------------------
     def open_device(self):
@@ -392,9 +442,11 @@ class Registry:
                 for row in self.device.devices]
 
     # -- lifecycle -----------------------------------------------------------
-    def register(self, doc, base_directory=None, package=None):
+    def register(self, doc, base_directory=None, package=None, trusted=False):
         """Validate and start preparing. `doc` is parsed JSON; `package` an uploaded
-        source package whose members relative sources name. Raises Error."""
+        source package whose members relative sources name; `trusted`: the start-up
+        catalog's (its folders are model roots), else every server path it names must
+        resolve inside the model roots (403). Raises Error."""
         try:
             doc = self.document.validate(doc)
         except jsonin.JSONInputError as e:
@@ -430,6 +482,9 @@ class Registry:
         if base is None and any(not os.path.isabs(p) for p in located):
             raise Error(400, "relative paths need an absolute base_directory", "invalid_value", "base_directory")
         files = Files(doc, base, package)
+        if not trusted:
+            for param, path in files.server_paths() + kind.server_files(doc, files.checkpoint):
+                self.confined(param, path)
         reg = Registration(doc, kind, base)
         reg.package, reg.files = package, files
         reg.loop, reg.trial_timeout = self.server.loop, cfg.trial_timeout
@@ -466,15 +521,20 @@ class Registry:
             prepared = runtime.prepare(reg.name, files.sources, files.checkpoint, options, device, self.compiler,
                                        progress, loaded=files.loaded, preserved=files.preserved,
                                        assets=files.assets, includes=files.includes,
-                                       extend=reg.kind.extend(reg.doc, options, files.checkpoint))
+                                       extend=reg.kind.extend(reg.doc, options, files.checkpoint),
+                                       quotable=files.quotable, quotable_assets=files.quotable_assets)
             try:
-                reg.kind.check(prepared)
+                # What a kind finds wrong reads the checkpoint's metadata and config (server files).
+                checked(lambda: reg.kind.check(prepared), f"the prepared package cannot serve a {reg.kind.name} "
+                                                          "deployment")
                 for name, (sources, loaded, checkpoint) in files.components.items():
                     component_options = dict(reg.doc["components"][name].get("options") or {})
                     part = runtime.prepare(f"{reg.name}/{name}", sources, checkpoint, component_options, device,
-                                           self.compiler, loaded=loaded, includes=files.includes)
+                                           self.compiler, loaded=loaded, includes=files.includes,
+                                           quotable=files.quotable)
                     prepared.components[name] = part
-                    reg.kind.contracts[name].check(prepared, part)
+                    checked(lambda: reg.kind.contracts[name].check(prepared, part),
+                            f"the {name} component cannot serve with this {reg.kind.name} model")
             except BaseException:
                 prepared.release()
                 raise
@@ -488,7 +548,11 @@ class Registry:
             if error is not None:
                 self.server.loop.call_soon(self._prepared, reg)
                 code = error.code if isinstance(error, Problem) else "internal"
-                self._failed(reg, code, getattr(error, "message", None) or f"{type(error).__name__}: {error}")
+                if not isinstance(error, Problem):      # unexpected: it may hold anything it read
+                    error = Problem(f"{type(error).__name__}: {error}", code)
+                if error.quotes:
+                    error = withhold(error, "preparation failed", code=code)
+                self._failed(reg, code, error.message, error.private)
                 if reg.removing:
                     self._remove(reg)
                 return
@@ -526,9 +590,8 @@ class Registry:
                 self._ready(reg, prepared)
                 return
             prepared.release()
-            failed = failure.result
-            self._failed(reg, failure.code, failure.message if failed is None
-                         else f"{failed.name}: {failed.message}\n{failed.log}")
+            problem = probe_problem(failure, reg.files.quotable)
+            self._failed(reg, problem.code, problem.message, problem.private)
             self.server.loop.call_soon(self._prepared, reg)
             if reg.removing:
                 self._remove(reg)
@@ -581,13 +644,15 @@ class Registry:
         for job in waiting:
             job.fail(error)
 
-    def _failed(self, reg, code, message):
+    def _failed(self, reg, code, message, private=None):
+        """The registration fails with `message` (public: /v1/status, answers, /logz); `private`,
+        the whole diagnostic about server files, goes to the server's standard error alone."""
         if reg.deadline is not None:
             self.server.loop.cancel_timer(reg.deadline)
         reg.transition("failed")
         reg.error = {"code": code, "message": message}
         log.error("preparing %s failed (%s): %s", reg.name, code, message,
-                  extra={"event": "prepare_failed", "model": reg.name, "code": code})
+                  extra={"event": "prepare_failed", "model": reg.name, "code": code, PRIVATE: private})
         self._settle(reg)
 
     def watch_catalog(self, done):
@@ -620,104 +685,141 @@ class Registry:
         if not isinstance(catalog, list):
             raise ValueError(f"{path}: a catalog is a JSON list of model documents or {{\"models\": [...]}}")
         folder = os.path.dirname(os.path.abspath(path))
-        for i, doc in enumerate(catalog):
-            if isinstance(doc, dict) and isinstance(doc.get("base_directory"), str):
-                doc = dict(doc, base_directory=os.path.join(folder, doc["base_directory"]))
+        docs = [dict(doc, base_directory=os.path.join(folder, doc["base_directory"]))
+                if isinstance(doc, dict) and isinstance(doc.get("base_directory"), str) else doc for doc in catalog]
+        self.load_documents(docs, folder, path)
+
+    def load_documents(self, docs, folder=None, path="the default catalog"):
+        """Register the start-up catalog's documents. They are the operator's own: their
+        folders become model roots (set before anything is read) and they are not checked."""
+        self.set_roots(catalog_folders(docs, folder) + ([folder] if folder else []))
+        for i, doc in enumerate(docs):
             try:
-                self.register(doc, folder).from_catalog = True
+                self.register(doc, folder, trusted=True).from_catalog = True
             except Error as e:
                 raise ValueError(f"{path}: model document {i}: {e.message}") from None
 
+    def set_roots(self, catalog):
+        """Confine the server's file reads to the model roots: --model_root (default: Loom's
+        cache folder), Loom's shipped packages and kernels, and the catalog's own folders."""
+        from . import resource
+        cfg = self.server.config
+        chosen = list(cfg.model_root) if cfg.model_root is not None else [cache_folder("")]
+        for root in cfg.model_root or ():
+            if not os.path.isdir(root):
+                raise ValueError(f"--model_root {root}: not a directory")
+        roots = chosen + [resource("models"), resource("opencl")] + catalog
+        self.previous_roots = confine(roots)
+        log.info("model roots: %s", ", ".join(model_roots()), extra={"event": "model_roots",
+                                                                    "roots": list(model_roots())})
+
+    def confined(self, param, path):
+        """403 before anything is read when a server path resolves outside the model roots."""
+        if outside_roots(path):
+            raise Error(403, f"{param} {path!r} resolves outside the server's model roots (--model_root); the "
+                             "server reads no file there", "outside_model_root", param)
+
     # -- residency -----------------------------------------------------------
-    def acquire(self, reg, ready):
-        """Count a use of reg's parameters; ready(error) once they are resident
-        (at once if they are, after streaming them back if they were evicted)."""
+    # A registration's residency components: "primary" (reg.prepared) and its extra ones
+    # (reg.prepared.components, a text model's "image"). Each leaves the device (deactivate,
+    # memory pressure) only while nothing uses it, and streams back on demand, exactly as
+    # preparation uploaded it (runtime.Prepared.restore).
+    @staticmethod
+    def _part(reg, name):
+        p = reg.prepared
+        return None if p is None else p if name == "primary" else p.components.get(name)
+
+    @staticmethod
+    def _used(reg, name):
+        return reg.in_flight if name == "primary" else reg.users.get(name, 0)
+
+    def acquire(self, reg, ready, components=()):
+        """Count a use of reg's parameters and of the extra `components` a job needs (a chat's
+        images: "image"); ready(error) once all are resident (at once if they are, after
+        streaming the evicted ones back if not)."""
         with reg.lock:
-            if reg.prepared is not None and reg.prepared.resident:
+            missing = next((name for name in ("primary", *components)
+                            if (part := self._part(reg, name)) is None or not part.resident), None)
+            if missing is None:
                 reg.in_flight += 1
+                for name in components:
+                    reg.users[name] = reg.users.get(name, 0) + 1
                 reg.last_used = time.monotonic()
-                acquired = True
-            else:
-                acquired = False
-        if acquired:
+        if missing is None:
             ready(None)
         else:
-            self.activate(reg, lambda error: ready(error) if error else self.acquire(reg, ready))
+            self.activate(reg, lambda error: ready(error) if error else self.acquire(reg, ready, components), missing)
 
-    def release_use(self, reg):
+    def release_use(self, reg, components=()):
         with reg.lock:
             reg.in_flight -= 1
+            for name in components:
+                reg.users[name] -= 1
             reg.last_used = time.monotonic()
-        if reg.in_flight == 0 and reg.deactivate_when_idle:
-            reg.deactivate_when_idle = False
-            self.deactivate(reg)
+        for name in ("primary", *components):
+            self._deactivate_if_wanted(reg, name)
 
-    def activate(self, reg, done=None):
-        """Stream evicted parameters back (on a worker); done(error) on the loop."""
+    def deactivate_when_unused(self, reg, name="primary"):
+        """Deactivation as an administrator asks for it: now, or once the drained work
+        still using the component and any upload of it under way are done."""
+        reg.deactivate_when_idle.add(name)
+        self._deactivate_if_wanted(reg, name)
+
+    def _deactivate_if_wanted(self, reg, name):
+        """A deactivation asked for while `name` was in use or streaming back happens once it is neither."""
+        if name in reg.deactivate_when_idle and not self._used(reg, name) and name not in reg.restoring:
+            reg.deactivate_when_idle.discard(name)
+            self.deactivate(reg, name)
+
+    def activate(self, reg, done=None, name="primary"):
+        """Stream a component's evicted parameters back from its own checkpoint (on a
+        worker; only that component's weights move); done(error) on the loop."""
         waiters = [done] if done else []
-        if reg.restoring is not None:
-            reg.restoring += waiters
+        if name in reg.restoring:
+            reg.restoring[name] += waiters
             return
-        if reg.prepared is None or reg.prepared.resident:
+        part = self._part(reg, name)
+        if part is None or part.resident:
             for fn in waiters:
-                fn(None if reg.prepared is not None else RuntimeError(f"{reg.name} is not prepared"))
+                fn(None if part is not None else RuntimeError(f"{reg.name} is not prepared"))
             return
-        reg.restoring = waiters
-        checkpoint = reg.files.checkpoint
-        log.info("activating %s", reg.name, extra={"event": "activating", "model": reg.name})
+        reg.restoring[name] = waiters
+        checkpoint = reg.files.checkpoint if name == "primary" else reg.files.components[name][2]
+        label = reg.name if name == "primary" else f"{reg.name}/{name}"
+        component = {} if name == "primary" else {"component": name}
+        log.info("activating %s", label, extra={"event": "activating", "model": reg.name, **component})
 
         def restored(_result, error):
-            callbacks, reg.restoring = reg.restoring, None
+            callbacks = reg.restoring.pop(name)
             if error is not None:
-                log.error("activating %s failed: %s", reg.name, error, extra={"event": "activate_failed",
-                                                                               "model": reg.name})
+                log.error("activating %s failed: %s", label, error, extra={"event": "activate_failed",
+                                                                         "model": reg.name, **component,
+                                                                         PRIVATE: getattr(error, "private", None)})
             for fn in callbacks:
                 fn(error)
+            self._deactivate_if_wanted(reg, name)
             self._restored(reg)
 
         reg.restores += 1
-        self.server.loop.run_in_executor(reg.prepared.restore, restored, checkpoint)
+        self.server.loop.run_in_executor(lambda: part.restore(checkpoint), restored)
 
     def _restored(self, reg):
         # An unregistration that came while the upload ran releases what it charged now.
         reg.restores -= 1
         self._retire_if_idle(reg)
 
-    def deactivate(self, reg):
-        """Evict reg's parameters now if nothing is using them; returns the bytes freed."""
+    def deactivate(self, reg, name="primary"):
+        """Evict a component's parameters now if nothing is using them or streaming them
+        back (the other components' stay); returns the bytes freed."""
         with reg.lock:
-            if reg.prepared is None or reg.in_flight or reg.restoring is not None:
+            part = self._part(reg, name)
+            if part is None or self._used(reg, name) or name in reg.restoring:
                 return 0
-            freed = reg.prepared.evict()
-        log.info("deactivated %s: %d bytes", reg.name, freed,
-                 extra={"event": "deactivated", "model": reg.name, "bytes": freed})
-        return freed
-
-    def activate_component(self, reg, name, done=None):
-        """Stream an extra component's evicted parameters back from its own checkpoint
-        (on a worker); done(error) on the loop. Only that component's weights move."""
-        part = reg.prepared.components[name]
-        if part.resident:
-            if done:
-                done(None)
-            return
-        log.info("activating %s/%s", reg.name, name, extra={"event": "activating", "model": reg.name,
-                                                            "component": name})
-        def restored(_result, error):
-            if done:
-                done(error)
-            self._restored(reg)
-
-        reg.restores += 1
-        self.server.loop.run_in_executor(lambda: part.restore(reg.files.components[name][2]), restored)
-
-    def deactivate_component(self, reg, name):
-        """Evict an extra component's parameters (the primary's stay); returns the bytes freed."""
-        with reg.lock:
-            part = reg.prepared.components.get(name) if reg.prepared is not None else None
-            freed = part.evict() if part is not None else 0
-        log.info("deactivated %s/%s: %d bytes", reg.name, name, freed,
-                 extra={"event": "deactivated", "model": reg.name, "component": name, "bytes": freed})
+            freed = part.evict()
+        label = reg.name if name == "primary" else f"{reg.name}/{name}"
+        log.info("deactivated %s: %d bytes", label, freed,
+                 extra={"event": "deactivated", "model": reg.name, "bytes": freed,
+                        **({} if name == "primary" else {"component": name})})
         return freed
 
     def _evict_for(self, needed, requester):
@@ -730,7 +832,7 @@ class Registry:
         for reg in candidates:
             for name in reg.prepared.components:
                 if freed < needed and name not in reg.pinned_components:
-                    freed += self.deactivate_component(reg, name)
+                    freed += self.deactivate(reg, name)
             if freed < needed and not reg.pinned:
                 freed += self.deactivate(reg)
         return freed
@@ -785,7 +887,7 @@ class Registry:
     def _start(self, reg, job):
         reg.jobs.add(job)
         if job.resident:
-            self.acquire(reg, job.start)
+            self.acquire(reg, job.start, job.components)
         else:
             job.start(None)     # control work on retained state: the weights need not be resident
 
@@ -793,7 +895,7 @@ class Registry:
         """A job is done with the device (its accepted work has retired)."""
         reg.jobs.discard(job)
         if acquired:
-            self.release_use(reg)
+            self.release_use(reg, job.components)
         self._retire_if_idle(reg)
 
     def staged(self, reg, delta):
@@ -879,8 +981,33 @@ class Registry:
             if reg.prepared is not None:
                 reg.prepared.release()
                 reg.prepared = None
+        confine(self.previous_roots)
 
 
+
+
+def catalog_folders(docs, folder):
+    """The folders a catalog's documents name (base_directory, and the folder of every server
+    path they hold: checkpoints, sources, assets, components, a kind's extra files)."""
+    out = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            continue
+        base = doc.get("base_directory") if isinstance(doc.get("base_directory"), str) else folder
+        refs = [doc.get(f) for f in ("checkpoint", "prepare", "control", "assets")] + list(doc.get("sources") or [])
+        for component in (doc.get("components") or {}).values():
+            if isinstance(component, dict):
+                refs += [component.get("checkpoint")] + list(component.get("sources") or [])
+        loras = ((doc.get("options") or {}).get("loras") or {}) if isinstance(doc.get("options"), dict) else {}
+        if isinstance(loras, dict):
+            refs += [v for v in loras.values() if isinstance(v, str) and os.path.isabs(v)]
+        if base:
+            out.append(base)
+        for ref in refs:
+            if isinstance(ref, str) and ref and (base or os.path.isabs(ref)):
+                path = runtime.resolve(base, ref) if base else ref
+                out.append(path if os.path.isdir(path) else os.path.dirname(path))
+    return out
 
 
 def first_line(text, chars=300):

@@ -15,6 +15,7 @@ of enqueues on the device's in-order queue.
 """
 
 import collections
+import hashlib
 import itertools
 import math
 import os
@@ -25,7 +26,7 @@ import numpy as np
 
 from . import language, vm, weights
 from . import open_regular
-from .errors import Problem
+from .errors import Problem, withhold
 from .language import LoomError
 
 PLAN_CACHE = 32     # plans (geometries) kept per deployment
@@ -44,24 +45,28 @@ def _declared(module):
     return sections | ({"policy"} if module.policy is not None else set())
 
 
-def load_module(paths, loaded=None, preserved=()):
+def load_module(paths, loaded=None, preserved=(), uploaded=()):
     """One module from several source files (.loom or .loombc): their declarations
     merge. `loaded` supplies (name, bytes) pairs already in memory (uploads);
     `preserved` the document's (role, name, bytes) prepare and control modules,
-    each declaring only what its role owns (ROLES), which the sources then may not."""
+    each declaring only what its role owns (ROLES), which the sources then may not;
+    those named in `uploaded` came from a package, the others from server files, whose
+    syntax errors do not quote them (language.parse)."""
     items = [(p, None) for p in paths] + list(loaded or [])
     parts = [language.load(path, checked=False) if data is None else language.load_bytes(data, path, checked=False)
              for path, data in items]
     names = [path for path, _ in items]
     sources = set().union(*(_declared(part) for part in parts))
     for role, path, data in preserved:
-        part = language.load_bytes(data, path, checked=False)
+        part = language.load_bytes(data, path, checked=False, quote=path in uploaded)
         extra = sorted(_declared(part) - set(ROLES[role]))
         if extra:
-            raise LoomError(f"{path}: a {role} module declares only {', '.join(ROLES[role])}, not {', '.join(extra)}")
+            raise LoomError(f"{path}: a {role} module declares only {', '.join(ROLES[role])}, not {', '.join(extra)}",
+                            quotes=False)
         owned = sorted(sources & set(ROLES[role]))
         if owned:
-            raise LoomError(f"the sources declare {', '.join(owned)}, which the {role} module {path} owns")
+            raise LoomError(f"the sources declare {', '.join(owned)}, which the {role} module {path} owns",
+                            quotes=False)
         parts.append(part)
         names.append(path)
     return language.merge(parts, names)
@@ -144,7 +149,8 @@ def _device_array(checkpoint, tensor, storage, tiled=None):
         scales = np.concatenate([blocks[:, at:at + 2] for at in weights.SCALE_FIELDS[storage]], axis=1)
         if not np.isfinite(scales.view(np.float16)).all():
             # The kernels decode blocks without checks: an inf/NaN scale would read back as garbage.
-            raise PrepareError(f"tensor {tensor!r} has non-finite block scales", "weights")
+            raise PrepareError("a tensor of the checkpoint has non-finite block scales", "weights",
+                               private=f"tensor {tensor!r} has non-finite block scales", quotes=False)
         return raw
     if storage == "F32":
         return checkpoint.array(tensor).astype(np.float32, copy=False) if info.dtype == "F32" \
@@ -153,7 +159,8 @@ def _device_array(checkpoint, tensor, storage, tiled=None):
         return checkpoint.array(tensor) if info.dtype == "F16" else checkpoint.dequantize(tensor).astype(np.float16)
     values = checkpoint.dequantize(tensor)
     if not np.array_equal(values, np.round(values)) or np.abs(values).max(initial=0) >= 2**31:
-        raise PrepareError(f"tensor {tensor!r} is declared i32 but holds non-integer values", "weights")
+        raise PrepareError("a tensor the module declares i32 holds non-integer values", "weights",
+                           private=f"tensor {tensor!r} is declared i32 but holds non-integer values", quotes=False)
     return values.astype(np.int32)
 
 
@@ -218,6 +225,16 @@ class Prepared:
         self.tokenizer = None         # from the asset directory or the checkpoint, when either has one
         self.preserved = []           # (role, name, bytes) of the prepare and control modules variants keep
         self.components = {}          # name -> Prepared: a document's extra components (a text model's "image")
+        # Whether its code and includes all came from an uploaded package: only then may a build log
+        # or a plan's error, which quote the sources, reach a client (errors.withhold).
+        self.quotable = False
+        self.uploaded = set()         # the preserved modules that came from the package
+        # What restore needs to upload exactly what preparation did: the kind's extension of the
+        # checkpoint (LoRA packs: not in the checkpoint, so a restore must derive them again), the
+        # digests of what it derived then, and the identity of the checkpoint files read.
+        self.extend = None
+        self.extended = {}            # derived tensor name -> digest of its float32 bytes
+        self.files = {}               # checkpoint file -> (device, inode, size, mtime_ns)
 
     @property
     def policy(self):
@@ -247,7 +264,7 @@ class Prepared:
         try:
             layout = binding.plan(command, **geometry)
         except LoomError as e:
-            done(None, e)
+            done(None, self._diagnostic(e, f"{command} does not plan at this geometry", "plan"))
             return
         self.pending[key] = [done]
         self.compile_layout(layout, binding, sources, lambda built: self._plan_ready(key, layout, built, binding))
@@ -278,7 +295,8 @@ class Prepared:
         waiters = self.pending.pop(key)
         failed = next((r for r in built.values() if not r.ok), None)
         if failed is not None:
-            error = PrepareError(f"{failed.name}: {failed.message}\n{failed.log}", "compile")
+            error = self._diagnostic(PrepareError(f"{failed.name}: {failed.message}\n{failed.log}", "compile"),
+                                     "a kernel does not build at this geometry", "compile")
             plan = None
         else:
             try:
@@ -287,13 +305,21 @@ class Prepared:
             except Problem as e:        # OutOfDeviceMemory keeps its code (503); the waiters still answer
                 plan, error = None, e
             except Exception as e:      # whatever went wrong, every waiter gets its answer
-                plan, error = None, PrepareError(f"{type(e).__name__}: {e}", "plan")
+                plan, error = None, self._diagnostic(PrepareError(f"{type(e).__name__}: {e}", "plan"),
+                                                     "the launch plan could not be made", "plan")
             if plan is not None:
                 self.plans[key] = plan
                 while len(self.plans) > PLAN_CACHE:
                     self.plans.popitem(last=False)[1].release()
         for done in waiters:
             done(plan, error)
+
+    def _diagnostic(self, error, public, code):
+        """A build or plan failure as a client may see it: whole when the sources were uploaded,
+        else `public` (the build log quotes the server's source files)."""
+        if self.quotable:
+            return PrepareError(getattr(error, "message", None) or str(error), code, quotes=False)
+        return withhold(error, f"{self.name}: {public}", PrepareError, code)
 
     @property
     def resident(self):
@@ -324,17 +350,22 @@ class Prepared:
         return freed
 
     def restore(self, checkpoint_path, progress=None):
-        """Stream the parameters back from the checkpoint (a worker thread)."""
-        try:
-            checkpoint = weights.open_checkpoint(checkpoint_path)
-        except (weights.WeightsError, OSError) as e:
-            raise PrepareError(str(e), "checkpoint") from None
+        """Stream the parameters back from the checkpoint (a worker thread), exactly as
+        preparation uploaded them: the same files (else PrepareError: a checkpoint replaced
+        on disk needs a new registration, never a silent change of results) and the same
+        derived tensors, derived again by the kind's extension."""
+        checkpoint = open_checkpoint(checkpoint_path)
         with checkpoint:
-            try:
-                _upload_params(self, checkpoint, progress)
-            except BaseException:
-                self.evict()
-                raise
+            now = _file_identities(checkpoint)
+            if now != self.files:
+                changed = sorted(set(now) ^ set(self.files)) or [f for f in now if now[f] != self.files[f]]
+                # (the file is named privately: a shard's or a directory entry's name is read from the server)
+                raise PrepareError(f"{checkpoint_path}: a file of the checkpoint changed on disk since the model "
+                                   "was prepared; register it again to serve the new file", "checkpoint",
+                                   private=f"{changed[0]} changed on disk since the model was prepared", quotes=False)
+            if self.extend is not None:
+                _extend(checkpoint, checkpoint_path, self.extend, self.extended)
+            _upload_params(self, checkpoint, progress)     # all or nothing
 
     def release(self):
         """Free everything this deployment holds on the device (its components too), and its variants' pins."""
@@ -605,27 +636,29 @@ def _run_plan(plan, enqueue):
 
 
 def prepare(name, source_paths, checkpoint_path, options, device, compiler, progress=None, loaded=None,
-            preserved=(), assets=None, includes=None, extend=None):
+            preserved=(), assets=None, includes=None, extend=None, quotable=False, quotable_assets=False):
     """Everything that reads files or uploads weights; runs on a worker thread.
     `loaded` holds (name, bytes) sources from an uploaded package; `preserved` the
     document's (role, path, bytes|None) prepare and control modules; `assets` a
     read(name) -> bytes|None over the model's metadata directory (default: the
     checkpoint's folder on the server); `extend(checkpoint)` -> (arrays, metadata) the
-    kind adds to the checkpoint before binding (the image kind's packed LoRA adapters)."""
+    kind adds to the checkpoint before binding (the image kind's packed LoRA adapters).
+    `quotable`: every source, prepare/control module and include is an uploaded member,
+    so diagnostics may quote them (the client's own bytes); `quotable_assets` likewise
+    for the asset directory. Otherwise a diagnostic that would quote a server file says
+    only where and what was expected (errors.withhold); the checkpoint is always the
+    server's."""
+    uploaded = {path for path, _ in loaded or ()} | {path for _, path, data in preserved if data is not None}
+    servers = list(source_paths) + [path for _, path, data in preserved if data is None]
     try:
         preserved = read_preserved(preserved)
-        module = load_module(source_paths, loaded, preserved)
+        module = load_module(source_paths, loaded, preserved, uploaded)
     except (LoomError, OSError) as e:
-        raise PrepareError(str(e), "source") from None
-    try:
-        checkpoint = weights.open_checkpoint(checkpoint_path)
-    except (weights.WeightsError, OSError) as e:
-        raise PrepareError(str(e), "checkpoint") from None
+        raise module_problem(e, quotable, uploaded, servers, "source") from None
+    checkpoint = open_checkpoint(checkpoint_path)
     with checkpoint:
-        if extend is not None:
-            arrays, extra = extend(checkpoint)
-            checkpoint.add_arrays(arrays, f"{checkpoint_path}#extended")
-            checkpoint.metadata.update(extra)
+        files = _file_identities(checkpoint)
+        extended = _extend(checkpoint, checkpoint_path, extend) if extend is not None else {}
         tensors = {n: vm.Tensor(t.shape, t.dtype) for n, t in checkpoint.tensors.items()}
         metadata = dict(checkpoint.metadata)
         metadata.update(_flatten(metadata.get("config", {}), "config."))
@@ -633,17 +666,77 @@ def prepare(name, source_paths, checkpoint_path, options, device, compiler, prog
             binding = vm.bind(module, metadata, tensors, options, checkpoint.format, device.info.get("driver", ""),
                               device.info.get("vector_width", 0), device.info.get("int8_dot", False))
         except LoomError as e:
-            raise PrepareError(str(e), "bind") from None
-        sources = kernel_sources(module, compiler, includes)
+            # its names come from the sources and the checkpoint (always a server file)
+            raise withhold(e, f"the module does not bind to the checkpoint {checkpoint_path}", PrepareError,
+                           "bind") from None
+        sources = kernel_sources(module, compiler, includes, quotable)
         prepared = Prepared(name, module, binding, device, compiler, sources)
-        prepared.preserved = preserved
-        prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint, assets)
+        prepared.preserved, prepared.quotable, prepared.uploaded = preserved, quotable, uploaded
+        prepared.extend, prepared.extended, prepared.files = extend, extended, files
+        prepared.tokenizer = _tokenizer(checkpoint_path, checkpoint, assets, quotable_assets)
         try:
             _upload(prepared, checkpoint, progress)
         except BaseException:
             prepared.release()
             raise
     return prepared
+
+
+def module_problem(error, quotable, uploaded, servers, code):
+    """A PrepareError for modules that did not load: OSError names a path; a LoomError is
+    told whole when it quotes only the client's bytes (an uploaded member's syntax, or code
+    that is all uploaded), else withheld (errors.withhold) naming the server files."""
+    if isinstance(error, OSError) or quotable or not getattr(error, "quotes", True) or (
+            getattr(error, "line", None) is not None and error.source in uploaded):
+        return PrepareError(str(error), code, quotes=False)
+    source = getattr(error, "source", None)
+    where = source if isinstance(source, str) and source not in uploaded else ", ".join(servers)
+    return withhold(error, f"{where}: not a Loom module this server can load", PrepareError, code)
+
+
+def open_checkpoint(path):
+    """weights.open_checkpoint, its errors as PrepareError: a checkpoint is always a server file,
+    so what its reader says about the bytes stays on the server's standard error."""
+    try:
+        return weights.open_checkpoint(path)
+    except OSError as e:
+        raise PrepareError(str(e), "checkpoint", quotes=False) from None
+    except weights.WeightsError as e:
+        raise withhold(e, f"{path}: not a checkpoint Loom reads (GGUF, safetensors, a diffusers folder, "
+                          "CTranslate2 or ONNX)", PrepareError, "checkpoint") from None
+
+
+def _extend(checkpoint, checkpoint_path, extend, expected=None):
+    """Add the kind's derived tensors (extend(checkpoint) -> (arrays, metadata)) to an open
+    checkpoint; -> their digests. With `expected` (a restore), tensors that differ from the
+    ones preparation derived (an adapter file replaced since) raise PrepareError."""
+    try:
+        arrays, extra = extend(checkpoint)
+    except Problem as e:        # the adapters are server files: what the reader says of them is withheld
+        adapter = getattr(e, "adapter", None)
+        raise withhold(e, f"adapter {adapter!r}: its file is not a LoRA adapter this package applies"
+                       if adapter else "the model's LoRA adapters cannot be used", PrepareError, e.code) from None
+    digests = {name: hashlib.blake2b(np.ascontiguousarray(a, "<f4").tobytes(), digest_size=16).digest()
+               for name, a in arrays.items()}
+    if expected is not None and digests != expected:
+        raise PrepareError("the tensors derived from the model's files at preparation (its LoRA adapters) "
+                           "changed on disk since; register it again to serve the new files", "checkpoint",
+                           quotes=False)
+    checkpoint.add_arrays(arrays, f"{checkpoint_path}#extended")
+    checkpoint.metadata.update(extra)
+    return digests
+
+
+def _file_identities(checkpoint):
+    """file -> (device, inode, size, mtime_ns) of every file a checkpoint's tensors come from."""
+    out = {}
+    for f in sorted({t.file for t in checkpoint.tensors.values()}):
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue        # an in-memory store (ONNX's decoded initializers, derived tensors)
+        out[f] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
 
 
 def _upload(prepared, checkpoint, progress):
@@ -662,30 +755,41 @@ def state_bytes(binding, state):
 
 
 def _upload_params(prepared, checkpoint, progress):
+    """Upload every param, then publish them at once: a deployment is resident only with
+    all its params (a request admitted during a restore must not find half of them)."""
     binding, pool = prepared.binding, prepared.device.pool
     own = [bp for bp in binding.params.values() if bp.alias is None]
     total = sum(storage_bytes(bp.shape, bp.storage, bp.tiled) for bp in own)
     done = 0
-    for bp in own:
-        info = checkpoint.tensors.get(bp.tensor)
-        if info is None or tuple(info.shape) != bp.shape:
-            raise PrepareError(f"tensor {bp.tensor!r} changed since the module was bound", "checkpoint")
-        array = _device_array(checkpoint, bp.tensor, bp.storage, bp.tiled)
-        prepared.params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
-        done += array.nbytes
-        if progress:
-            progress(done, total)
+    params = {}
+    try:
+        for bp in own:
+            info = checkpoint.tensors.get(bp.tensor)
+            if info is None or tuple(info.shape) != bp.shape:
+                raise PrepareError("a tensor the module binds changed since it was bound", "checkpoint",
+                                   private=f"tensor {bp.tensor!r} changed since the module was bound", quotes=False)
+            array = _device_array(checkpoint, bp.tensor, bp.storage, bp.tiled)
+            params[(bp.name, bp.index)] = pool.alloc(array.nbytes, prepared.name, "params", host=array)
+            done += array.nbytes
+            if progress:
+                progress(done, total)
+    except BaseException:
+        for buf in params.values():
+            buf.release()
+        raise
     for key, bp in binding.params.items():
         if bp.alias is not None:
             target = bp.alias
             while binding.params[target].alias is not None:
                 target = binding.params[target].alias
-            prepared.params[key] = prepared.params[target]
+            params[key] = params[target]
+    prepared.params = params
 
 
-def _tokenizer(checkpoint_path, checkpoint, assets):
+def _tokenizer(checkpoint_path, checkpoint, assets, quotable=False):
     """The model's tokenizer: tokenizer metadata in its asset directory (tokenizer.json
-    or vocab.txt), else the tokenizer.ggml.* metadata of a GGUF checkpoint; None if neither."""
+    or vocab.txt), else the tokenizer.ggml.* metadata of a GGUF checkpoint; None if neither.
+    `quotable`: the asset directory is an uploaded package's (its errors may quote it)."""
     from . import tokenizer
     if assets is None:
         assets = tokenizer.folder_reader(checkpoint_path if os.path.isdir(checkpoint_path)
@@ -699,8 +803,13 @@ def _tokenizer(checkpoint_path, checkpoint, assets):
             template = checkpoint.metadata.get("tokenizer.chat_template")
             found.chat_template = template if isinstance(template, str) else None
         return found
-    except (tokenizer.TokenizerError, OSError, ValueError) as e:
-        raise PrepareError(str(e), "tokenizer") from None
+    except OSError as e:
+        raise PrepareError(str(e), "tokenizer", quotes=False) from None
+    except (tokenizer.TokenizerError, ValueError) as e:
+        if quotable:
+            raise PrepareError(str(e), "tokenizer", quotes=False) from None
+        raise withhold(e, "the model's tokenizer files (its asset directory, or the GGUF checkpoint's metadata) "
+                          "are not a tokenizer Loom reads", PrepareError, "tokenizer") from None
 
 
 def storage_bytes(shape, storage, tiled=None):
@@ -736,38 +845,45 @@ def next_variant_id():
     return next(_variant_ids)
 
 
-def stage_binding(prepared, source_paths, loaded=None, includes=None):
+def stage_binding(prepared, source_paths, loaded=None, includes=None, quotable=False):
     """Bind staged sources against a prepared deployment's checkpoint and check
     the resource contract. Runs on a worker (it reads files). `loaded` is an
     optional list of (name, bytes) for sources uploaded in a package; includes(name)
-    reads what their kernels #include (kernel_sources)."""
+    reads what their kernels #include (kernel_sources). `quotable`: every source and
+    include is uploaded, so diagnostics may quote them (see prepare)."""
+    uploaded = {path for path, _ in loaded or ()} | prepared.uploaded
     try:
-        module = load_module(source_paths, loaded, prepared.preserved)
+        module = load_module(source_paths, loaded, prepared.preserved, prepared.uploaded)
     except (LoomError, OSError) as e:
-        raise PrepareError(str(e), "source") from None
+        servers = list(source_paths) + [path for _, path, _ in prepared.preserved if path not in prepared.uploaded]
+        # the preserved prepare/control modules are the registration's: quotable only when it was
+        raise module_problem(e, quotable and prepared.quotable, uploaded, servers, "source") from None
     base = prepared.binding
     try:
         binding = vm.bind(module, base.metadata, base.tensors, base.options, base.format, base.driver,
                           base.vector_width, base.int8_dot)
     except LoomError as e:
-        raise PrepareError(f"the sources do not bind to this deployment's checkpoint: {e}", "contract") from None
+        raise withhold(e, "the sources do not bind to this deployment's checkpoint", PrepareError,
+                       "contract") from None
     old, new = base.contract(), binding.contract()
     for part in ("specs", "params", "states"):
         if old[part] != new[part]:
             changed = sorted(set(old[part]) ^ set(new[part])) or sorted(
                 k for k in old[part] if old[part][k] != new[part].get(k))
-            raise PrepareError(f"the sources change the {part} of the resource contract: "
-                                           f"{', '.join(str(c) for c in changed[:8])}", "contract")
+            raise PrepareError(f"the sources change the {part} of the resource contract", "contract",
+                               private=f"the sources change the {part} of the resource contract: "
+                                       f"{', '.join(str(c) for c in changed[:8])}", quotes=False)
     for name, args in old["commands"].items():
         if new["commands"].get(name) != args:
-            raise PrepareError(f"command {name} must keep its signature {list(args)}", "contract")
+            raise PrepareError("the sources change a command's signature; each must keep its own", "contract",
+                               private=f"command {name} must keep its signature {list(args)}", quotes=False)
     if module.policy is not None and module.policy != (prepared.module.policy or None):
-        raise PrepareError("the sources change the policy; that needs a new registration", "contract")
+        raise PrepareError("the sources change the policy; that needs a new registration", "contract", quotes=False)
     module.policy = prepared.module.policy
-    return binding, kernel_sources(module, prepared.compiler, includes)
+    return binding, kernel_sources(module, prepared.compiler, includes, quotable)
 
 
-def kernel_sources(module, compiler, includes=None):
+def kernel_sources(module, compiler, includes=None, quotable=False):
     """kernel name -> OpenCL source: a library kernel's file, or the inline source with its
     #include "name" lines filled from includes(name) (the package's files: bytes or None),
     else from the kernel library; nothing else is read."""
@@ -785,6 +901,14 @@ def kernel_sources(module, compiler, includes=None):
         try:
             sources[kernel.name] = (compiler.library_source(kernel.library[:-3]) if kernel.library
                                     else language.include_files(kernel.name, kernel.source, read))
+        except OSError as e:        # an include refused (outside the model roots) or unreadable
+            if quotable:
+                raise PrepareError(str(e), "source", quotes=False) from None
+            raise withhold(e, "a kernel's #include cannot be read (outside the model roots, or unreadable)",
+                           PrepareError, "source") from None
         except ValueError as e:     # LoomError too
-            raise PrepareError(f"kernel {kernel.name}: {e}", "source") from None
+            if quotable:
+                raise PrepareError(f"kernel {kernel.name}: {e}", "source", quotes=False) from None
+            raise withhold(PrepareError(f"kernel {kernel.name}: {e}"), "a kernel's #include is neither in the "
+                           "package, nor the kernel library, nor a UTF-8 file", PrepareError, "source") from None
     return sources

@@ -25,7 +25,7 @@ from . import __version__, routes
 from ._native.framing import FramingError, RequestParser
 from .errors import Error, Problem
 from .http import Deferred, Request, Response, Stream
-from .logs import LogRing, RingHandler
+from .logs import LogRing, OperatorFormatter, RingHandler
 from .loop import Loop
 from .metrics import Registry
 from .registry import Registry as Models, first_line
@@ -60,6 +60,9 @@ class Config:
     prepare_timeout: float = 600.0          # seconds a preparation may take before it fails
     trial_timeout: float = 60.0             # seconds a package's trial run may take (proving.py)
     kernel_cache: str | None = None         # folder of built kernels kept across starts; "" for none
+    # Folders whose files a client may name for a model (registration, staging, includes); None:
+    # Loom's cache folder. The start-up catalog's own folders and Loom's shipped packages are always roots.
+    model_root: list | None = None
 
 
 class Listener:
@@ -514,8 +517,7 @@ class Server:
                 self.registry.load_catalog(self.config.models)
             else:
                 from . import demo
-                for doc in demo.catalog():
-                    self.registry.register(doc).from_catalog = True
+                self.registry.load_documents(demo.catalog())
         except (OSError, ValueError):
             for listener in self.listeners:
                 listener.close()
@@ -693,6 +695,6 @@ def configure_logging(level, ring):
     root.setLevel(level.upper())
     if not root.handlers:
         stderr = logging.StreamHandler()
-        stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        stderr.setFormatter(OperatorFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(stderr)
     root.addHandler(RingHandler(ring))

@@ -99,7 +99,7 @@ class Voice(kinds.Derived):
         config = prepared.binding.metadata.get("config")
         if not isinstance(config, dict) or "phoneme_id_map" not in config:
             raise Problem("a speech package needs the voice's Piper document (<voice>.onnx.json beside it)",
-                          "no_voice_config")
+                          "no_voice_config", quotes=False)
         self.config = config
         self.rate = int(config.get("audio", {}).get("sample_rate", 22050))
         inference = config.get("inference", {})

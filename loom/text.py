@@ -32,6 +32,7 @@ from .chat import ChatPolicy, StopText, ToolCallError
 from .errors import Error, Problem
 from .http import Response, Stream, page, sse_event
 from .jsonin import Arr, Bool, Enum, Int, Num, Obj, OneOf, Str, Tagged
+from .logs import PRIVATE
 from .scheduler import Refused, Sequence, TextEngine, trial_pages
 
 log = logging.getLogger("loom.text")
@@ -251,7 +252,7 @@ def _validated(server, request):
         return vision.tokens(tok, policy.render(shown, tools, thinking, model_options=options), marks, parts,
                              component, context)
 
-    return body, reg, policy, prompt
+    return body, reg, policy, prompt, bool(parts)
 
 
 SESSION_NAME = registry.NAME   # sessions and checkpoints are named like deployments
@@ -267,7 +268,7 @@ def _name_header(request, header):
 def chat_completions(server, request):
     session = _name_header(request, "X-Loom-Session")
     checkpoint = _name_header(request, "X-Loom-Checkpoint")
-    body, reg, policy, prompt = _validated(server, request)
+    body, reg, policy, prompt, images = _validated(server, request)
     stream = bool(body.get("stream"))
     choice = body.get("tool_choice", "auto")
     temperature, top_p, top_k = _sampling(policy, body)
@@ -280,6 +281,8 @@ def chat_completions(server, request):
     job = ChatJob(server, reg, request, policy, prompt, limit, (temperature, top_p, top_k, body.get("seed") or 0),
                   stream, bool((body.get("stream_options") or {}).get("include_usage")),
                   body.get("enable_thinking"), choice != "none", session, cp, stop=body.get("stop"))
+    if images:
+        job.components = ("image",)     # its images are projected by the image component's weights
     return _enter(server, reg, job)
 
 
@@ -299,7 +302,7 @@ def input_tokens(server, request):
         if request.header(header) is not None:
             raise Error(400, f"{header} selects retained state; counting is stateless", "unsupported_header",
                             header)
-    body, reg, policy, prompt = _validated(server, request)
+    body, reg, policy, prompt, _images = _validated(server, request)
     if reg.engine.counting >= reg.doc["pending_capacity"]:
         raise Error(503, f"model {reg.name!r} has a full counting queue", "queue_full", "model")
     reg.engine.counting += 1
@@ -866,9 +869,11 @@ class ChatEngine(TextEngine):
         except ValueError as e:
             self.chat = e       # a deployment without chat framing still tokenizes and pins
         if getattr(self.chat, "template_problem", None):
-            log.warning("%s: the checkpoint's chat template cannot be used (%s); the package's %s roles frame "
-                        "its chats", reg.name, self.chat.template_problem, self.chat.name,
-                        extra={"event": "chat_template_unusable", "model": reg.name})
+            # (why quotes the checkpoint's template, a server file: the operator's stderr alone has it)
+            log.warning("%s: the checkpoint's chat template cannot be used; the package's %s roles frame "
+                        "its chats", reg.name, self.chat.name,
+                        extra={"event": "chat_template_unusable", "model": reg.name,
+                               PRIVATE: self.chat.template_problem})
         self.counting = 0
         self.policy_waiting = collections.deque()
         self.policy_busy = False

@@ -28,7 +28,7 @@ import unicodedata
 
 import numpy as np
 
-from . import open_regular
+from . import open_regular, outside_roots
 
 try:  # the Cython merge loop; without it the pure-Python loop gives the same ids, slower
     from ._native import bpe as _native_bpe
@@ -1597,6 +1597,10 @@ def folder_reader(folder):
     form of the reader from_folder takes."""
     def read(name):
         path = os.path.join(folder, name)
+        if not os.path.lexists(path):
+            return None
+        if outside_roots(path):     # (a symlink out of the model roots, say): refused, not read
+            raise OSError(f"{path} resolves outside the model roots (--model_root)")
         if not os.path.isfile(path):
             return None
         try:

@@ -188,7 +188,7 @@ class Decoder(kinds.Derived):
         policy, tok = prepared.policy, prepared.tokenizer
         if tok is None:
             raise Problem("a recognition package needs the model's tokenizer (tokenizer.json beside the "
-                          "checkpoint)", "no_tokenizer")
+                          "checkpoint)", "no_tokenizer", quotes=False)
         self.tokenizer, self.policy = tok, policy
         self.rate, self.channels = policy["sample_rate"], policy["channels"]
         self.hop, self.window = policy["hop"], prepared.spec("FRAMES")
@@ -198,7 +198,7 @@ class Decoder(kinds.Derived):
         self.codecs = prepared.binding.options.get("audio_codecs", list(audio.CODECS))
         if not isinstance(self.codecs, list) or not set(self.codecs) <= set(audio.CODECS):
             raise Problem(f"option audio_codecs must be a list of {', '.join(audio.CODECS)}, got {self.codecs!r}",
-                          "invalid_option")
+                          "invalid_option", quotes=False)
         self.codecs = tuple(self.codecs)
         names = policy["tokens"]
 

@@ -302,18 +302,23 @@ class ImageInput(kinds.Component):
 
     def check(self, primary, component):
         if MEDIA_STAGE not in {c.name for c in primary.module.commands}:
-            raise Problem(f"the text package has no {MEDIA_STAGE!r} command to take image features", "contract")
+            raise Problem(f"the text package has no {MEDIA_STAGE!r} command to take image features", "contract",
+                          quotes=False)
         commands = {c.name for c in component.module.commands}
         if STAGE not in commands:
             raise Problem(f"the image component's package has no {STAGE!r} command (it has: "
                           f"{', '.join(sorted(commands)) or 'none'})", "contract")
         missing = [name for name in ("CH", "TILE", "SEQ", "TEXT_D") if component.spec(name) is None]
         if missing:
-            raise Problem(f"the image component's package lacks the specs {', '.join(missing)}", "contract")
+            raise Problem(f"the image component's package lacks the specs {', '.join(missing)}", "contract",
+                          quotes=False)
         width, expected = component.spec("TEXT_D"), primary.spec("D")
         if width != expected:
-            raise Problem(f"the image component projects to {width} channels; the text model's embeddings "
-                          f"have {expected}", "contract")
+            # the widths come from the checkpoints (server files): the operator's stderr has them
+            raise Problem("the image component's projection width (its spec TEXT_D) is not the text model's "
+                          "embedding width (its spec D)", "contract", quotes=False,
+                          private=f"the image component projects to {width} channels; the text model's embeddings "
+                                  f"have {expected}")
         config = component.binding.metadata.get("preprocessor") or {}
         tile = config.get("max_image_size", {}).get("longest_edge", component.spec("TILE"))
         if tile != component.spec("TILE"):
@@ -327,11 +332,11 @@ class ImageInput(kinds.Component):
             component.image_limits = images.Limits(**{field: options[name] for name, field in LIMIT_OPTIONS.items()
                                                       if name in options})
         except (TypeError, ValueError) as e:
-            raise Problem(f"image limits: {e}", "invalid_option") from None
+            raise Problem(f"image limits: {e}", "invalid_option", quotes=False) from None
         codecs = options.get("image_codecs", list(images.CODECS))
         if not isinstance(codecs, list) or any(c not in images.CODECS for c in codecs):
             raise Problem(f"option image_codecs must be a list drawn from {', '.join(images.CODECS)} "
-                          "(PAM is always accepted)", "invalid_option")
+                          "(PAM is always accepted)", "invalid_option", quotes=False)
         component.image_codecs = tuple(codecs)
 
 

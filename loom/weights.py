@@ -56,15 +56,28 @@ __all__ = [
 
 
 class WeightsError(ValueError):
-    """A checkpoint that cannot be read; ``message`` names the file and the problem."""
+    """A checkpoint that cannot be read; ``message`` names the file and the problem.
+    ``public``, when set, says it without any byte or value the file holds (the path, a
+    position, what was expected): what a server repeats about its own files
+    (errors.withhold)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, public: str | None = None, detail: str | None = None):
         super().__init__(message)
         self.message = message
+        self.public = public
+        self.detail = detail        # public without its path, to tell it of another (_shown_as)
 
 
-def _fail(path: str, detail: str) -> WeightsError:
-    return WeightsError(f"{path}: {detail}")
+def _fail(path: str, detail: str, public: str | None = None) -> WeightsError:
+    return WeightsError(f"{path}: {detail}", f"{path}: {public}" if public else None, public)
+
+
+def _shown_as(error: WeightsError, shown: str) -> WeightsError:
+    """`error` told of `shown`, the path its caller named, rather than of a file found through
+    the checkpoint's own bytes (a shard an index names, a directory's entry), whose name is
+    itself something the server read."""
+    error.public = f"{shown}: {error.detail}" if error.detail else None
+    return error
 
 
 @dataclass(frozen=True)
@@ -353,7 +366,7 @@ def _map_file(path: str, minimum: int, what: str) -> mmap.mmap:
                 raise _fail(path, f"the file has {size} bytes; {what} needs at least {minimum}")
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
-        raise _fail(path, f"cannot read: {e.strerror or e}") from None
+        raise _fail(path, f"cannot read: {e.strerror or e}", f"cannot read: {e.strerror or e}") from None
 
 
 def _release(buf: mmap.mmap) -> None:
@@ -501,14 +514,16 @@ def _read_gguf(path: str) -> Checkpoint:
         cur = _Cursor(path, buf)
         magic = buf[:4]
         if magic != b"GGUF":
-            raise _fail(path, f"not a GGUF file: magic is {magic!r}, expected b'GGUF'")
+            raise _fail(path, f"not a GGUF file: magic is {magic!r}, expected b'GGUF'",
+                        "bytes 0..4: expected the GGUF magic b'GGUF'")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version not in (2, 3):
             swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
             if swapped in (1, 2, 3):
                 raise _fail(path, f"big-endian GGUF (version {swapped}) is not supported; "
                                   f"Loom reads little-endian files")
-            raise _fail(path, f"GGUF version {version} is not supported; Loom reads versions 2 and 3")
+            raise _fail(path, f"GGUF version {version} is not supported; Loom reads versions 2 and 3",
+                        "bytes 4..8: expected GGUF version 2 or 3")
         cur.pos = _GGUF_HEADER
         cur.need(n_kv * _GGUF_MIN_KV, f"{n_kv} metadata entries")
 
@@ -584,10 +599,16 @@ def _read_safetensors_file(path: str):
         size = len(buf)
         (n,) = struct.unpack_from("<Q", buf, 0)
         if n > _ST_MAX_HEADER:
-            raise _fail(path, f"header length {n} exceeds the format's limit of {_ST_MAX_HEADER} bytes")
+            raise _fail(path, f"header length {n} exceeds the format's limit of {_ST_MAX_HEADER} bytes",
+                        f"bytes 0..8: expected a safetensors header length of at most {_ST_MAX_HEADER}")
         if 8 + n > size:
-            raise _fail(path, f"header needs bytes 8..{8 + n} but the file has {size} bytes")
-        header = _strict_json(path, buf[8:8 + n], "header")
+            raise _fail(path, f"header needs bytes 8..{8 + n} but the file has {size} bytes",
+                        "bytes 0..8: expected a safetensors header length within the file")
+        try:
+            header = _strict_json(path, buf[8:8 + n], "header")
+        except WeightsError as e:
+            raise WeightsError(e.message, f"{path}: byte 8: expected the safetensors header, a strict JSON "
+                                          "object") from None
         if not isinstance(header, dict):
             raise _fail(path, f"header must be a JSON object, got {type(header).__name__}")
         meta = header.pop("__metadata__", {})
@@ -645,9 +666,14 @@ def _read_safetensors(path: str, index: bool, beside: bool = True) -> Checkpoint
             metadata = {"__metadata__": meta}
             table = {t.name: t for t in tensors}
         else:
-            doc = _read_json_file(path, "the index")
+            try:
+                doc = _read_json_file(path, "the index")
+            except WeightsError as e:
+                raise WeightsError(e.message, e.public or f"{path}: byte 0: expected a safetensors index, a strict "
+                                                          "JSON object") from None
             if not isinstance(doc, dict) or "weight_map" not in doc or not doc.keys() <= {"weight_map", "metadata"}:
-                raise _fail(path, "the index must be an object with weight_map and optionally metadata")
+                detail = "the index must be an object with weight_map and optionally metadata"
+                raise _fail(path, detail, detail)
             weight_map, index_meta = doc["weight_map"], doc.get("metadata", {})
             if not isinstance(weight_map, dict) or not isinstance(index_meta, dict):
                 raise _fail(path, "weight_map and metadata must be objects")
@@ -662,7 +688,10 @@ def _read_safetensors(path: str, index: bool, beside: bool = True) -> Checkpoint
             table = {}
             for shard, mapped in shards.items():
                 shard_path = os.path.join(folder, shard)
-                buf, meta, tensors = _read_safetensors_file(shard_path)
+                try:
+                    buf, meta, tensors = _read_safetensors_file(shard_path)
+                except WeightsError as e:
+                    raise _shown_as(e, f"{path} (a shard it maps)") from None
                 maps[shard_path] = buf
                 for key, value in meta.items():
                     if merged.setdefault(key, value) != value:
@@ -830,7 +859,8 @@ def _read_ctranslate2(path: str) -> Checkpoint:
         cur = _Cursor(path, buf)
         (version,) = cur.unpack("<I", "binary version")
         if not 4 <= version <= 6:
-            raise _fail(path, f"CTranslate2 binary version {version} is not supported; Loom reads versions 4 to 6")
+            raise _fail(path, f"CTranslate2 binary version {version} is not supported; Loom reads versions 4 to 6",
+                        "bytes 0..4: expected CTranslate2 binary version 4, 5 or 6")
         spec = _ct2_string(cur, "spec name")
         (revision, count) = cur.unpack("<II", "spec revision and variable count")
         cur.need(count * _CT2_MIN_VARIABLE, f"{count} variables")
@@ -1292,7 +1322,10 @@ def _read_onnx(path: str) -> Checkpoint:
     buf = _map_file(path, 2, "an ONNX model")
     maps = {path: buf}
     try:
-        model = _pb_message(path, buf, (0, len(buf)), _ONNX_MODEL, "ModelProto")
+        try:
+            model = _pb_message(path, buf, (0, len(buf)), _ONNX_MODEL, "ModelProto")
+        except WeightsError as e:
+            raise WeightsError(e.message, f"{path}: byte 0: expected an ONNX ModelProto (protobuf)") from None
         if "graph" not in model:
             raise _fail(path, "not an ONNX model: ModelProto has no graph (is this an ONNX file?)")
         opset = {}
@@ -1492,11 +1525,18 @@ def open_checkpoint(path) -> Checkpoint:
         entries = sorted(os.listdir(path))
         found = [e for e in entries if e in ("model.safetensors", "model.safetensors.index.json", "model.bin")]
         found += [e for e in entries if e.lower().endswith((".gguf", ".onnx"))]
+        expected = ("a checkpoint directory must hold exactly one of model.safetensors, model.safetensors.index.json, "
+                    "model.bin, a single .gguf or a single .onnx file")
         if len(found) != 1:
-            raise _fail(path, f"a checkpoint directory must hold exactly one of model.safetensors, "
-                              f"model.safetensors.index.json, model.bin, a single .gguf or a single .onnx file; "
-                              f"found {found or 'none'}")
-        path = os.path.join(path, found[0])
+            raise _fail(path, f"{expected}; found {found or 'none'}", f"{expected} (it holds {len(found)})")
+        try:
+            return _open_file(os.path.join(path, found[0]))
+        except WeightsError as e:
+            raise _shown_as(e, f"{path} (its checkpoint file)") from None
+    return _open_file(path)
+
+
+def _open_file(path: str) -> Checkpoint:
     lower = path.lower()
     if lower.endswith(".gguf"):
         return _read_gguf(path)
@@ -1510,8 +1550,9 @@ def open_checkpoint(path) -> Checkpoint:
         raise _fail(path, "this is an ONNX model's settings (a Piper voice config); open the .onnx file beside it")
     if lower.endswith(".json"):
         return _read_safetensors(path, index=True)
-    raise _fail(path, "not a checkpoint: expected a .gguf, .safetensors, .json index, CTranslate2 .bin or .onnx file, "
-                      "or a directory")
+    detail = ("not a checkpoint: expected a .gguf, .safetensors, .json index, CTranslate2 .bin or .onnx file, "
+              "or a directory")
+    raise _fail(path, detail, detail)
 
 
 def write_safetensors(path, tensors, metadata=None) -> None:

@@ -30,7 +30,8 @@ def test_doc_examples_run_in_order_and_leave_the_catalog_as_found(tmp_path):
     """Every runnable curl block of each walkthrough, in document order, against a fresh
     default-catalog server (a fresh `make run`): none answers an error, and the catalog is
     as it was afterwards."""
-    server = _start_live(tmp_path, (), catalog="default")
+    # the walkthroughs write their files under /tmp (here tmp_path), which they make a model root
+    server = _start_live(tmp_path, ("--model_root", str(tmp_path)), catalog="default")
     try:
         before = catalog_view(server)
         for path, start, end in WALKTHROUGHS:

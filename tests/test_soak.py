@@ -1,6 +1,6 @@
 """The soak suite's bounded version (bench/soak.py --short) as part of make test: a fresh
 server through idle and slowloris sockets, a disconnect storm, fuzzed bodies, framing
-vectors, hostile packages, overload and unregister under load, with its accounting back
+vectors, hostile packages, overload, residency cycles and unregister under load, with its accounting back
 at the baseline and no unintended 5xx. `make soak` runs the full campaign."""
 
 import os
@@ -20,5 +20,5 @@ def test_the_short_soak_finds_nothing():
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert "no failures" in out.stdout
-    for phase in ("disconnects:", "fuzz:", "framing:", "hostile:", "overload:", "unregister"):
+    for phase in ("disconnects:", "fuzz:", "framing:", "hostile:", "overload:", "residency:", "unregister"):
         assert phase in out.stdout, phase
