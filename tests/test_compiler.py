@@ -327,9 +327,18 @@ def test_a_restarted_server_loads_its_kernels_and_none_keeps_nothing(tmp_path):
 
     from conftest import _start_live
 
+    from conftest import tiny_scout_dir
+    from loom import demo
+
+    # scout alone (on the tiny checkpoint): every start but the warm one compiles all its kernels.
+    catalog = tmp_path / "scout.json"
+    catalog.write_text(json.dumps([doc for doc in demo.catalog(text=tiny_scout_dir(), recognizer=False,
+                                                                 speaker=False, illustrator=False)
+                                   if doc["model"] == "scout"]))
+
     def start_and_answer(run, cache):
         (tmp_path / run).mkdir()
-        server = _start_live(tmp_path / run, ("--kernel_cache", cache), catalog="tiny")
+        server = _start_live(tmp_path / run, ("--models", str(catalog), "--kernel_cache", cache), catalog="scout")
         try:
             body = {"model": "scout", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                     "temperature": 0}

@@ -359,9 +359,9 @@ def test_last_token_logits_match_numpy(device, tmp_path, arch, dtype, fmt, reque
     check_logits(device, tmp_path, arch, dtype, fmt)
 
 
-@pytest.mark.parametrize("dtype,width", [pytest.param("F16", 16, id="F16-16"), pytest.param("Q4_1", 8, id="Q4_1-8"),
-                                         *[pytest.param(d, w, id=f"{d}-{w}", marks=pytest.mark.full)
-                                           for d, w in (("F16", 8), ("Q8_0", 8), ("Q8_0", 16), ("Q4_1", 16))]])
+@pytest.mark.parametrize("dtype,width", [pytest.param("F16", 16, id="F16-16"),
+                                         *[pytest.param(d, w, id=f"{d}-{w}", marks=pytest.mark.full) for d, w in
+                                           (("F16", 8), ("Q8_0", 8), ("Q8_0", 16), ("Q4_1", 8), ("Q4_1", 16))]])
 def test_logits_match_numpy_at_each_vector_width(device, tmp_path, dtype, width):
     """The package's matmul tiles follow the device's vector width (8 floats: AVX2 tiles of 8
     accumulators; 16: AVX-512's 4 x 4 of float16): whichever the host has, both give numpy's logits."""
