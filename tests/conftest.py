@@ -50,7 +50,8 @@ KERNELS = os.environ.get("LOOM_TEST_KERNELS") or loom.cache_folder("test-kernels
 os.makedirs(KERNELS, exist_ok=True)
 
 # `make test` warns past this many seconds (pytest's own time), naming the slowest files:
-# measured at 2026-12-07 on an Intel Xeon (the slowest host seen), CI allows 90 minutes.
+# CI allows 90 minutes, and make test took 57 on an Intel Xeon before its sweeps moved to
+# make test-full (2026-12-07); the budget leaves room for features to come.
 BUDGET_S = float(os.environ.get("LOOM_TEST_BUDGET_S", 25 * 60))
 
 
@@ -168,7 +169,7 @@ def pytest_terminal_summary(terminalreporter):
     write = terminalreporter.write_line
     write(f"kernel builds from source: {COSTS.builds} in the test processes ({COSTS.build_seconds:.0f} s), "
           f"{COSTS.server_builds()} by the servers they started (cache {KERNELS})")
-    if total > BUDGET_S:
+    if total > BUDGET_S and not terminalreporter.config.getoption("--full"):
         slowest = sorted(COSTS.files.items(), key=lambda item: -item[1])[:8]
         write(f"WARNING: the tests took {total / 60:.1f} min, past the {BUDGET_S / 60:.0f} min budget "
               f"(LOOM_TEST_BUDGET_S); the slowest files:", yellow=True, bold=True)
