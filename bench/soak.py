@@ -700,7 +700,10 @@ def main():
     ap.add_argument("--short", action="store_true", help="the bounded version make test runs")
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
     ap.add_argument("--kernel_cache", metavar="DIR", help="the server's --kernel_cache (default: its own default)")
-    ap.add_argument("--trial_timeout", type=float, default=10,
+    # 10 s for --short (no variants staged), 30 s for the full run: its residency phase stages a
+    # second scout variant while its own clients keep the cores busy, and that trial ran past 10 s
+    # on a 2-core Zen 3 (the hanging package waits the timeout out).
+    ap.add_argument("--trial_timeout", type=float, default=None,
                     help="the server's --trial_timeout: short, so the hanging package fails fast; a busy machine "
                          "may need more for the catalog's own trial runs")
     args = ap.parse_args()
@@ -709,7 +712,8 @@ def main():
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="loom-soak-")
-    soak = Soak(args.short, args.port, args.kernel_cache, model_root=folder, trial_timeout=args.trial_timeout)
+    trial_timeout = args.trial_timeout or (10 if args.short else 30)
+    soak = Soak(args.short, args.port, args.kernel_cache, model_root=folder, trial_timeout=trial_timeout)
     soak.start()
     try:
         before = soak.accounting()
